@@ -1,0 +1,1 @@
+"""config (see docs/DESIGN)."""

@@ -1,0 +1,1 @@
+"""data (see docs/DESIGN)."""

@@ -1,0 +1,1 @@
+"""losses (see docs/DESIGN)."""

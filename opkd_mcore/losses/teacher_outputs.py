@@ -1,0 +1,36 @@
+"""What a teacher hands the loss: dense TP-sharded logits, or sparse top-k ids + logprobs.
+
+Position t of a sequence scores token t+1. Padding in a top-k row is id -1 with logprob -inf
+(never id 0 with logprob 0, which would mean probability 1 on token 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_ID = -1
+
+
+@dataclass(frozen=True)
+class DenseTeacher:
+    """Teacher logits `[N, V_local]`, sharded over the TP group exactly like the student's."""
+
+    logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TopKTeacher:
+    """Teacher top-k per position: `ids [N, K]` int64 global ids (-1 = padding), `logprobs [N, K]`."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+    @property
+    def k(self) -> int:
+        return self.ids.shape[-1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """Bool mask `[N, K]` of real (non-padding) entries."""
+        return self.ids != PAD_ID

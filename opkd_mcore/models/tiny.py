@@ -1,0 +1,96 @@
+"""Tiny Hugging Face checkpoints made locally (random weights, nothing downloaded).
+
+Used by the tests of every part and by `opkd demo`. Sizes respect what the engines need on a
+CPU: vLLM's CPU attention rejects head_dim < 64, so the default head_dim is 64.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+FAMILY_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+
+
+@dataclass
+class TinyModelShape:
+    """Dimensions of a tiny test/demo model."""
+
+    vocab_size: int = 256  # padded up to hold the tokenizer if it is larger
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = 64
+    intermediate_size: int = 256
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False
+    extra: dict = field(default_factory=dict)  # family-specific config overrides
+
+
+def make_char_tokenizer(alphabet: str):
+    """A character-level `PreTrainedTokenizerFast`: ids 0..2 are <pad>, <bos>, <eos>, then `alphabet`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        unk_token="<pad>", clean_up_tokenization_spaces=False,
+    )
+
+
+def tiny_hf_config(family: str, shape: TinyModelShape, tokenizer=None):
+    """A `transformers` config of the family with the given tiny shape."""
+    from transformers import AutoConfig
+
+    if family not in FAMILY_ARCHITECTURES:
+        raise ValueError(f"family: expected one of {sorted(FAMILY_ARCHITECTURES)}, got {family!r}")
+    vocab = max(shape.vocab_size, len(tokenizer) if tokenizer is not None else 0)
+    ids = {}
+    if tokenizer is not None:
+        ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    return AutoConfig.for_model(
+        family, vocab_size=vocab, hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings, torch_dtype="float32",
+        architectures=[FAMILY_ARCHITECTURES[family]], **ids, **shape.extra,
+    )
+
+
+def save_tiny_hf_model(out_dir: str, family: str = "qwen3", shape: TinyModelShape | None = None,
+                       seed: int = 0, alphabet: str = "0123456789+= ", init_std: float = 0.02):
+    """Write a random-weight HF checkpoint (safetensors + config + char tokenizer) to `out_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    shape = shape or TinyModelShape()
+    tokenizer = make_char_tokenizer(alphabet)
+    config = tiny_hf_config(family, shape, tokenizer)
+    config.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "pad_token_id": tokenizer.pad_token_id}, f)
+    return out_dir

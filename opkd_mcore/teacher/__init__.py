@@ -1,0 +1,1 @@
+"""teacher (see docs/DESIGN)."""

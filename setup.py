@@ -1,0 +1,49 @@
+"""opkd-mcore: on-policy knowledge distillation on Megatron-core.
+
+`kernels/` is installed as `opkd_kernels` (a top-level `kernels` package already exists on
+the package index). The C++ CPU twin of the fused loss in `csrc/` is optional: if it cannot be
+built, everything runs through the torch reference path.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+
+def _cpu_extension():
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    if not sources or os.environ.get("OPKD_SKIP_CPP") == "1":
+        return {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:  # torch not installed in the build environment
+        return {}
+    ext = CppExtension(
+        "opkd_kernels._cpu",
+        sources,
+        extra_compile_args=["-O3", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
+        optional=True,
+    )
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)}}
+
+
+setup(
+    name="opkd-mcore",
+    version="0.1.0",
+    description="On-policy knowledge distillation for LLMs on Megatron-core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["opkd_mcore", "opkd_mcore.*"]) + ["opkd_kernels"],
+    package_dir={"opkd_kernels": "kernels"},
+    install_requires=["torch", "numpy", "pyyaml", "safetensors", "tqdm"],
+    extras_require={
+        "train": ["megatron-core==0.16.1", "transformers"],
+        "rollout": ["vllm"],
+        "ray": ["ray"],
+        "demo": ["matplotlib"],
+        "gpu": ["triton", "liger-kernel"],
+        "test": ["pytest", "pytest-timeout", "transformers", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["opkd=opkd_mcore.cli:main"]},
+    **_cpu_extension(),
+)

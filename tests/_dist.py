@@ -1,0 +1,67 @@
+"""Run a function in N real processes joined by a gloo process group (multi-process tests).
+
+`run_distributed(fn, world_size, *args)` spawns `world_size` processes, initialises
+`torch.distributed` with gloo on a free localhost port, calls `fn(rank, world_size, *args)` in
+each, and returns the list of per-rank return values. An exception on any rank is re-raised in
+the parent with that rank's traceback. `fn` must be importable (module-level), since processes
+are spawned.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, env, queue):
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # report every failure to the parent, including assertion errors
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, env: dict | None = None, timeout_s: float = 600):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, env, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout_s)
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
