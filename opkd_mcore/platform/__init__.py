@@ -6,6 +6,7 @@ from opkd_mcore.platform.device import (
     device_type,
     is_accelerator_tensor,
     is_cpu,
+    triton_kernels_usable,
 )
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "device_type",
     "is_accelerator_tensor",
     "is_cpu",
+    "triton_kernels_usable",
 ]

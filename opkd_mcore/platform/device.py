@@ -63,3 +63,13 @@ def current_device(device: str | None = None) -> torch.device:
 def is_accelerator_tensor(t: torch.Tensor, kind: str = "cuda") -> bool:
     """True when a tensor lives on the given accelerator type (used for kernel dispatch)."""
     return t.device.type == kind
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_kernels_usable(t: torch.Tensor) -> bool:
+    """True when the Triton kernels in `opkd_kernels` can run on this tensor (a CUDA tensor + triton)."""
+    return t.device.type == "cuda" and _triton_importable()
