@@ -9,6 +9,7 @@ are spawned.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -23,15 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, env, queue):
+def _worker(rank, world_size, port, fn, args, env, queue, backend="gloo"):
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        if backend is not None:  # None: `fn` initialises the group itself (e.g. nccl via init_parallel)
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=300))
+        # pickled by value here: a tensor put on the queue as-is travels as a shared-memory handle
+        # that the parent can no longer open once this process has exited (FileNotFoundError)
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure to the parent, including assertion errors
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -39,12 +44,13 @@ def _worker(rank, world_size, port, fn, args, env, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, env: dict | None = None, timeout_s: float = 600):
+def run_distributed(fn, world_size: int, *args, env: dict | None = None, timeout_s: float = 600,
+                    backend: str | None = "gloo"):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, env, queue))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, env, queue, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -53,7 +59,7 @@ def run_distributed(fn, world_size: int, *args, env: dict | None = None, timeout
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout_s)
             if ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break

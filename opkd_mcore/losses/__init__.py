@@ -1,1 +1,37 @@
-"""losses (see docs/DESIGN)."""
+"""Distillation objectives over a vocabulary sharded across a tensor-parallel group.
+
+Token level: `kd_loss` (and `kd_loss_with_stats` for logging). Sequence level: TCAD's
+`teacher_confidence_scores` / `teacher_confidence_weights`, `sampled_token_kl` and
+`policy_gradient_kd_loss`. Reduction to a scalar: `aggregate`. Logging: `kd_metrics`.
+Formulas and which objective reproduces which recipe: docs/losses.md.
+"""
+from opkd_mcore.losses.aggregation import AGG_MODES, aggregate, seq_ids_from_cu_seqlens
+from opkd_mcore.losses.kd_loss import KDStats, kd_loss, kd_loss_with_stats, topk_overlap
+from opkd_mcore.losses.metrics import kd_metrics
+from opkd_mcore.losses.sequence_level import (
+    PolicyGradientKDOutput,
+    policy_gradient_kd_loss,
+    sampled_token_kl,
+    teacher_confidence_scores,
+    teacher_confidence_weights,
+)
+from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, TopKTeacher
+
+__all__ = [
+    "AGG_MODES",
+    "PAD_ID",
+    "DenseTeacher",
+    "KDStats",
+    "PolicyGradientKDOutput",
+    "TopKTeacher",
+    "aggregate",
+    "kd_loss",
+    "kd_loss_with_stats",
+    "kd_metrics",
+    "policy_gradient_kd_loss",
+    "sampled_token_kl",
+    "seq_ids_from_cu_seqlens",
+    "teacher_confidence_scores",
+    "teacher_confidence_weights",
+    "topk_overlap",
+]
