@@ -8,8 +8,15 @@ from opkd_mcore.platform.device import (
     is_cpu,
     triton_kernels_usable,
 )
+from opkd_mcore.platform.megatron_cpu import disable_cpu_emulation, enable_cpu_emulation
+from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
 
 __all__ = [
+    "ParallelConfig",
+    "destroy_parallel",
+    "disable_cpu_emulation",
+    "enable_cpu_emulation",
+    "init_parallel",
     "collective_backend",
     "current_device",
     "detect_device_type",

@@ -1,0 +1,188 @@
+"""HF config -> Megatron `TransformerConfig` + layer spec -> `GPTModel` chunks for this rank.
+
+Needs `opkd_mcore.platform.init_parallel` first (reads TP/PP/VPP from Megatron's parallel_state).
+Each chunk carries a `ModelLayout` (attribute `opkd_layout`) that the weight loader/exporter and the
+trainer read: the bridge, the true and padded vocabulary sizes, and where every layer lives.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from opkd_mcore.models.bridge import ModelBridge, get_bridge, hf_inv_freq
+from opkd_mcore.platform import current_device
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_config(hf_dir: str):
+    """The `transformers` config of a local HF checkpoint; clear errors for a bad directory."""
+    from transformers import AutoConfig
+
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"hf_dir: no config.json in {hf_dir!r}")
+    with open(path) as f:
+        raw = json.load(f)
+    if "model_type" not in raw:
+        raise ValueError(f"hf_dir: {path} has no 'model_type'")
+    return AutoConfig.from_pretrained(hf_dir)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 1) -> int:
+    """Vocabulary rounded up so every TP rank holds an equal, `divisible_by`-aligned shard."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass
+class ModelLayout:
+    """Where the model's pieces live; identical on every rank (computed from config + layout)."""
+
+    bridge: ModelBridge
+    tp: int
+    pp: int
+    vpp: int | None
+    vocab_size: int  # the HF vocabulary
+    padded_vocab_size: int  # rows of the Megatron embedding/output layer (all TP ranks together)
+    pp_rank: int
+    vp_stage: int | None  # this chunk's virtual stage (None without VPP)
+
+    @property
+    def num_layers(self) -> int:
+        return self.bridge.hf_config.num_hidden_layers
+
+    def layer_stage(self, layer: int) -> int:
+        """PP stage holding global layer `layer` (Megatron's interleaved assignment with VPP)."""
+        chunks = self.pp * (self.vpp or 1)
+        return (layer // (self.num_layers // chunks)) % self.pp
+
+
+def _use_transformer_engine() -> bool:
+    from opkd_mcore.platform import is_cpu
+
+    return not is_cpu() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def layer_spec(bridge: ModelBridge, use_te: bool | None = None):
+    """Transformer Engine spec when TE is usable, else Megatron's local spec with SDPA attention."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    use_te = _use_transformer_engine() if use_te is None else use_te
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bridge.qk_norm)
+    from opkd_mcore.platform.sdpa_attention import SdpaCoreAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=bridge.qk_norm,
+                                                    normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    return spec
+
+
+def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, **overrides):
+    """Megatron `TransformerConfig` for the bridge's HF config and the current parallel layout."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    from opkd_mcore.platform import is_cpu
+
+    kwargs = bridge.transformer_config_kwargs()
+    kwargs.update(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        use_cpu_initialization=is_cpu(),
+        # the fused kernels below need apex/TE/GPU builds; the unfused paths are exact everywhere
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def default_params_dtype() -> torch.dtype:
+    from opkd_mcore.platform import is_cpu
+
+    return torch.float32 if is_cpu() else torch.bfloat16
+
+
+def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
+                make_vocab_size_divisible_by: int = 1, use_te: bool | None = None,
+                **config_overrides) -> list:
+    """GPTModel chunks of this rank (one per VPP chunk, a single one without VPP).
+
+    `params_dtype` defaults to fp32 on CPU and bf16 on accelerators. The vocabulary is padded to a
+    multiple of `make_vocab_size_divisible_by * tp`; the padded rows are zero after loading and are
+    dropped on export (`ModelLayout.vocab_size` is the real size). Extra keyword arguments override
+    `TransformerConfig` fields (e.g. `recompute_granularity`).
+    """
+    from megatron.core import parallel_state as ps
+
+    bridge = get_bridge(hf_config)
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    bridge.check_parallel(tp, pp, vpp)
+    dtype = params_dtype or default_params_dtype()
+    use_te = _use_transformer_engine() if use_te is None else use_te
+    if config_overrides.get("sequence_parallel") and not use_te:
+        raise ValueError("sequence_parallel: needs the Transformer Engine layer spec; the local "
+                         "spec's torch norms do not support it")
+    config = transformer_config(bridge, dtype, **config_overrides)
+    spec = layer_spec(bridge, use_te)
+    padded = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
+    chunks = []
+    for vp_stage in (range(vpp) if vpp else [None]):
+        model = _make_chunk(config, spec, bridge, padded, vp_stage)
+        model.opkd_layout = ModelLayout(bridge, tp, pp, vpp, hf_config.vocab_size, padded,
+                                        ps.get_pipeline_model_parallel_rank(), vp_stage)
+        chunks.append(model)
+    logger.info("built %s: %d chunk(s), tp=%d pp=%d vpp=%s, vocab %d (padded %d), dtype %s",
+                bridge.family, len(chunks), tp, pp, vpp, hf_config.vocab_size, padded, dtype)
+    return chunks
+
+
+def _make_chunk(config, spec, bridge: ModelBridge, padded_vocab: int, vp_stage: int | None):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
+        max_sequence_length=bridge.hf_config.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        parallel_output=True, share_embeddings_and_output_weights=bridge.tied,
+        position_embedding_type="rope", rotary_base=int(bridge.rope_parameters()["rope_theta"]),
+        vp_stage=vp_stage,
+    )
+    # Megatron's torch norms are created in fp32 on the CPU whatever params_dtype and device say;
+    # Megatron's own training moves and casts the whole model, so do the same here
+    model.to(device=current_device(), dtype=config.params_dtype)
+    if hasattr(model, "rotary_pos_emb"):
+        # HF's frequencies (incl. llama3/linear scaling) replace Megatron's, so RoPE is identical
+        model.rotary_pos_emb.inv_freq = hf_inv_freq(bridge).to(current_device())
+    return model
+
+
+def layout_of(model_chunks) -> ModelLayout:
+    """The `ModelLayout` of chunks made by `build_model` (unwraps DDP/Float16 wrappers)."""
+    chunk = unwrap(model_chunks[0])
+    layout = getattr(chunk, "opkd_layout", None)
+    if layout is None:
+        raise ValueError("model_chunks: not built by opkd_mcore.models.build_model (no opkd_layout)")
+    return layout
+
+
+def unwrap(module):
+    """The GPTModel inside Megatron's DDP / Float16Module wrappers."""
+    while not hasattr(module, "opkd_layout") and hasattr(module, "module"):
+        module = module.module
+    return module

@@ -1,0 +1,354 @@
+"""Weights between HF safetensors and Megatron GPTModel chunks: sliced load, streamed export, save.
+
+* `load_hf_weights`: every rank reads only the slices of the HF tensors its parameters hold
+  (`safe_open(...).get_slice`), so no rank materialises the whole model.
+* `hf_weight_metadata`: the full model's HF tensors (name, shape, dtype, PP stage) in export order,
+  computed from the config and layout alone: identical on every rank, no communication.
+* `iter_hf_weights`: the stream `(hf_name, full_tensor)` in that order: TP shards gathered, fused
+  QKV / gate-up split back, vocab padding removed; "local" = this PP stage's tensors, "all" = every
+  stage's tensors on every rank (streamed over the PP group).
+* `save_hf_checkpoint`: rank 0 writes sharded safetensors + index + config + tokenizer files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from opkd_mcore.models.bridge import TensorRule
+from opkd_mcore.models.builder import ModelLayout, layout_of, unwrap
+from opkd_mcore.platform import current_device
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class WeightMeta:
+    """One HF tensor of the exported model."""
+
+    hf_name: str
+    shape: tuple
+    dtype: torch.dtype
+    pp_stage: int
+
+    @property
+    def num_bytes(self) -> int:
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class _LocalParam:
+    param: torch.nn.Parameter
+    rule: TensorRule
+    layer: int | None
+
+    @property
+    def hf_names(self) -> list[str]:
+        return [t.format(layer=self.layer) for t in self.rule.hf]
+
+
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _local_params(model_chunks) -> list[_LocalParam]:
+    """Every parameter of this rank's chunks with the rule that maps it to HF tensors."""
+    layout = layout_of(model_chunks)
+    layer_rules = {r.megatron: r for r in layout.bridge.layer_rules()}
+    model_rules = {r.megatron: r for r in layout.bridge.model_rules()}
+    found = []
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        for name, param in model.named_parameters():
+            if name.startswith("decoder.layers."):
+                local_idx, suffix = name[len("decoder.layers."):].split(".", 1)
+                layer = model.decoder.layers[int(local_idx)].layer_number - 1
+                rule = layer_rules.get(suffix)
+            else:
+                layer, rule = None, model_rules.get(name)
+            if rule is None:
+                raise ValueError(f"{layout.bridge.family} bridge has no HF mapping for Megatron "
+                                 f"parameter {name!r}")
+            found.append(_LocalParam(param, rule, layer))
+    return found
+
+
+# --------------------------------------------------------------------------- load
+class _SafetensorsIndex:
+    """HF tensor name -> file, over a single or sharded safetensors checkpoint."""
+
+    def __init__(self, hf_dir: str):
+        index_path, single = os.path.join(hf_dir, INDEX_FILE), os.path.join(hf_dir, SINGLE_FILE)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
+        elif os.path.isfile(single):
+            from safetensors import safe_open
+
+            with safe_open(single, framework="pt") as f:
+                self.files = {k: single for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"hf_dir: neither {INDEX_FILE} nor {SINGLE_FILE} in {hf_dir!r}")
+        self.hf_dir = hf_dir
+        self._open: dict = {}
+
+    def slice(self, name: str):
+        if name not in self.files:
+            raise KeyError(f"HF checkpoint {self.hf_dir!r} has no tensor {name!r}")
+        path = self.files[name]
+        if path not in self._open:
+            from safetensors import safe_open
+
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path].get_slice(name)
+
+
+def _read_owned(index: _SafetensorsIndex, lp: _LocalParam, layout: ModelLayout) -> torch.Tensor:
+    """The part of the HF tensor(s) that this TP rank's shard of `lp.param` holds."""
+    rank, size = _tp()
+    names, kind = lp.hf_names, lp.rule.kind
+    if kind == "replicated":
+        return index.slice(names[0])[:]
+    if kind == "row":
+        sl = index.slice(names[0])
+        cols = sl.get_shape()[1] // size
+        return sl[:, rank * cols:(rank + 1) * cols]
+    if kind == "vocab":
+        rows = layout.padded_vocab_size // size
+        start, stop = rank * rows, min((rank + 1) * rows, layout.vocab_size)
+        sl = index.slice(names[0])
+        out = torch.zeros(rows, *sl.get_shape()[1:], dtype=lp.param.dtype)
+        if stop > start:
+            out[:stop - start] = sl[start:stop]
+        return out
+    if kind == "gate_up":
+        parts = []
+        for name in names:
+            sl = index.slice(name)
+            rows = sl.get_shape()[0] // size
+            parts.append(sl[rank * rows:(rank + 1) * rows])
+        return torch.cat(parts)
+    if kind == "qkv":
+        return _read_qkv(index, names, layout, rank, size)
+    raise ValueError(f"unknown tensor rule kind {kind!r}")
+
+
+def _read_qkv(index, names, layout: ModelLayout, rank: int, size: int) -> torch.Tensor:
+    """Fuse this rank's query groups: per group [its q heads; its k head; its v head]."""
+    bridge = layout.bridge
+    d, groups = bridge.head_dim, bridge.num_query_groups
+    q_per_group = bridge.hf_config.num_attention_heads // groups
+    g0, g1 = rank * groups // size, (rank + 1) * groups // size
+    q = index.slice(names[0])[g0 * q_per_group * d:g1 * q_per_group * d]
+    k = index.slice(names[1])[g0 * d:g1 * d]
+    v = index.slice(names[2])[g0 * d:g1 * d]
+    tail = q.shape[1:]
+    q = q.reshape(g1 - g0, q_per_group * d, *tail)
+    k, v = k.reshape(g1 - g0, d, *tail), v.reshape(g1 - g0, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks, hf_dir: str) -> None:
+    """Fill this rank's parameters from an HF checkpoint, reading only the slices they own."""
+    layout = layout_of(model_chunks)
+    index = _SafetensorsIndex(hf_dir)
+    for lp in _local_params(model_chunks):
+        owned = _read_owned(index, lp, layout)
+        if tuple(owned.shape) != tuple(lp.param.shape):
+            raise ValueError(f"HF tensor(s) {lp.hf_names} give a shard of shape {tuple(owned.shape)}"
+                             f" but the Megatron parameter has shape {tuple(lp.param.shape)}")
+        lp.param.data.copy_(owned.to(dtype=lp.param.dtype))
+
+
+# --------------------------------------------------------------------------- metadata
+def hf_weight_metadata(model_chunks) -> list[WeightMeta]:
+    """The full model's HF tensors in export order; same on every rank, no communication."""
+    layout = layout_of(model_chunks)
+    bridge, cfg = layout.bridge, layout.bridge.hf_config
+    dtype = unwrap(model_chunks[0]).config.params_dtype
+    last = layout.pp - 1
+    meta = [WeightMeta("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), dtype, 0)]
+    for layer in range(cfg.num_hidden_layers):
+        stage = layout.layer_stage(layer)
+        meta += [WeightMeta(name, shape, dtype, stage) for name, shape in bridge.hf_layer_shapes(layer)]
+    meta.append(WeightMeta("model.norm.weight", (cfg.hidden_size,), dtype, last))
+    if not bridge.tied:
+        meta.append(WeightMeta("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), dtype, last))
+    return meta
+
+
+# --------------------------------------------------------------------------- export
+_GATHER_DIM = {"vocab": 0, "qkv": 0, "gate_up": 0, "row": 1}
+
+
+def _gather_tp(shard: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as ps
+
+    _, size = _tp()
+    if size == 1:
+        return [shard]
+    shard = shard.contiguous()
+    parts = [torch.empty_like(shard) for _ in range(size)]
+    dist.all_gather(parts, shard, group=ps.get_tensor_model_parallel_group())
+    return parts
+
+
+def _to_hf(lp: _LocalParam, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """Full HF tensors made from one Megatron parameter (collective over TP)."""
+    kind, names, shard = lp.rule.kind, lp.hf_names, lp.param.detach()
+    if kind == "replicated":
+        return {names[0]: shard.clone()}
+    parts = _gather_tp(shard, _GATHER_DIM[kind])
+    if kind == "row":
+        return {names[0]: torch.cat(parts, dim=1)}
+    if kind == "vocab":
+        return {names[0]: torch.cat(parts)[:layout.vocab_size]}
+    if kind == "gate_up":
+        half = shard.shape[0] // 2
+        return {names[0]: torch.cat([p[:half] for p in parts]),
+                names[1]: torch.cat([p[half:] for p in parts])}
+    if kind == "qkv":
+        bridge = layout.bridge
+        d, groups = bridge.head_dim, bridge.num_query_groups
+        q_per_group = bridge.hf_config.num_attention_heads // groups
+        full = torch.cat(parts)
+        tail = full.shape[1:]
+        fused = full.reshape(groups, (q_per_group + 2) * d, *tail)
+        q, k, v = fused.split([q_per_group * d, d, d], dim=1)
+        return {names[0]: q.reshape(-1, *tail).contiguous(),
+                names[1]: k.reshape(-1, *tail).contiguous(),
+                names[2]: v.reshape(-1, *tail).contiguous()}
+    raise ValueError(f"unknown tensor rule kind {kind!r}")
+
+
+def _producers(model_chunks) -> dict[str, _LocalParam]:
+    out: dict[str, _LocalParam] = {}
+    for lp in _local_params(model_chunks):
+        for name in lp.hf_names:
+            out.setdefault(name, lp)  # a tied output layer never shadows the embedding
+    return out
+
+
+def _iter_local(model_chunks, metadata) -> Iterator[tuple[WeightMeta, torch.Tensor]]:
+    layout = layout_of(model_chunks)
+    producers = _producers(model_chunks)
+    pending: dict[str, torch.Tensor] = {}
+    for meta in metadata:
+        if meta.pp_stage != layout.pp_rank:
+            continue
+        if meta.hf_name not in pending:
+            if meta.hf_name not in producers:
+                raise RuntimeError(f"no local parameter produces {meta.hf_name!r} on PP stage "
+                                   f"{layout.pp_rank}")
+            pending.update(_to_hf(producers[meta.hf_name], layout))
+        yield meta, pending.pop(meta.hf_name)
+
+
+@torch.no_grad()
+def iter_hf_weights(model_chunks, *, stages: str = "local") -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream `(hf_name, full_tensor)` in `hf_weight_metadata` order.
+
+    Collective: all TP ranks of a stage (and, for "all", all PP stages) must iterate together.
+    """
+    if stages not in ("local", "all"):
+        raise ValueError(f"stages: expected 'local' or 'all', got {stages!r}")
+    metadata = hf_weight_metadata(model_chunks)
+    layout = layout_of(model_chunks)
+    if stages == "local" or layout.pp == 1:
+        for meta, tensor in _iter_local(model_chunks, metadata):
+            yield meta.hf_name, tensor
+        return
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    local = _iter_local(model_chunks, metadata)
+    for meta in metadata:
+        if meta.pp_stage == layout.pp_rank:
+            _, tensor = next(local)
+            tensor = tensor.contiguous()
+        else:
+            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=current_device())
+        dist.broadcast(tensor, src=dist.get_global_rank(group, meta.pp_stage), group=group)
+        yield meta.hf_name, tensor
+
+
+# --------------------------------------------------------------------------- save
+def plan_shards(metadata: list[WeightMeta], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy split of the tensors (in order) into files of at most `max_shard_bytes` each."""
+    shards, current, size = [], [], 0
+    for meta in metadata:
+        if current and size + meta.num_bytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(meta.hf_name)
+        size += meta.num_bytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _copy_side_files(src_hf_dir: str, out_dir: str) -> None:
+    """Config, tokenizer and generation files of the source checkpoint (not its weights)."""
+    for name in os.listdir(src_hf_dir):
+        path = os.path.join(src_hf_dir, name)
+        if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES) and name != INDEX_FILE:
+            shutil.copy2(path, os.path.join(out_dir, name))
+
+
+def save_hf_checkpoint(model_chunks, out_dir: str, *, src_hf_dir: str | None = None,
+                       max_shard_bytes: int = 4 << 30, progress: bool = True) -> None:
+    """Write the model as an HF checkpoint: collective over all ranks, rank 0 writes the files."""
+    from safetensors.torch import save_file
+
+    metadata = hf_weight_metadata(model_chunks)
+    shards = plan_shards(metadata, max_shard_bytes)
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    file_of = {}
+    for i, names in enumerate(shards):
+        for name in names:
+            file_of[name] = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    if writer:
+        os.makedirs(out_dir, exist_ok=True)
+    stream = iter_hf_weights(model_chunks, stages="all")
+    if writer and progress:
+        from tqdm import tqdm
+
+        stream = tqdm(stream, total=len(metadata), desc="save HF checkpoint", unit="tensor")
+    buffer: dict[str, torch.Tensor] = {}
+    shard_idx = 0
+    for name, tensor in stream:
+        if not writer:
+            continue
+        buffer[name] = tensor.detach().to("cpu").contiguous()
+        if len(buffer) == len(shards[shard_idx]):
+            save_file(buffer, os.path.join(out_dir, file_of[name]), metadata={"format": "pt"})
+            buffer, shard_idx = {}, shard_idx + 1
+    if writer:
+        _write_index_and_config(model_chunks, out_dir, metadata, file_of, src_hf_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_index_and_config(model_chunks, out_dir, metadata, file_of, src_hf_dir) -> None:
+    index = {"metadata": {"total_size": sum(m.num_bytes for m in metadata)},
+             "weight_map": {m.hf_name: file_of[m.hf_name] for m in metadata}}
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2)
+    if src_hf_dir is not None:
+        _copy_side_files(src_hf_dir, out_dir)
+    else:
+        layout_of(model_chunks).bridge.hf_config.save_pretrained(out_dir)

@@ -1,0 +1,87 @@
+"""Core attention for Megatron's local layer spec, on `F.scaled_dot_product_attention`.
+
+Megatron's own local `DotProductAttention` allocates its score buffer from a CUDA memory pool and
+rejects packed sequences; Transformer Engine is not available on CPU. This module is a drop-in
+`core_attention` (same constructor and forward signature) that
+
+* works on any device torch's SDPA runs on (CPU included),
+* handles GQA by repeating each KV head for the query heads of its group (Megatron's grouping:
+  query head h belongs to group h // (heads / groups)),
+* is causal, and supports packed sequences (`PackedSeqParams`, qkv_format "thd"): each sequence
+  between consecutive `cu_seqlens` attends only to itself (block-diagonal causal).
+
+Shapes: sbhd input q [s, b, heads, d], k/v [s, b, groups, d] -> [s, b, heads*d];
+thd input q [t, heads, d], k/v [t, groups, d] -> [t, heads*d].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SdpaCoreAttention(nn.Module):
+    """Causal (optionally packed) multi-head attention with GQA via torch SDPA."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise ValueError("SdpaCoreAttention: context_parallel_size must be 1 "
+                             f"(got {config.context_parallel_size}); CP needs Transformer Engine")
+        self.config = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or getattr(config, "softmax_scale", None) \
+            or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("SdpaCoreAttention: attention_bias is not supported")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = getattr(mask_type, "name", str(mask_type)) != "no_mask"
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._packed(query, key, value, packed_seq_params, causal)
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = self._sdpa(q, k, v, causal)
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _sdpa(self, q, k, v, causal: bool):
+        """q [b, heads, sq, d], k/v [b, groups, sk, d] -> [b, heads, sq, d]."""
+        heads, groups = q.shape[1], k.shape[1]
+        if heads % groups:
+            raise ValueError(f"SdpaCoreAttention: {heads} query heads not divisible by {groups} kv heads")
+        if heads != groups:
+            k = k.repeat_interleave(heads // groups, dim=1)
+            v = v.repeat_interleave(heads // groups, dim=1)
+        dropout = self.dropout_p if self.training else 0.0
+        # causal with sq < sk (decoding against a cache) would need a bottom-right mask: not a use here
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
+                                              scale=self.softmax_scale)
+
+    def _packed(self, query, key, value, params, causal: bool):
+        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
+            else params.cu_seqlens_q
+        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None \
+            else params.cu_seqlens_kv
+        bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
+        if bounds_q != bounds_kv:
+            raise ValueError("SdpaCoreAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        if bounds_q[-1] > query.shape[0]:
+            raise ValueError(f"SdpaCoreAttention: cu_seqlens ends at {bounds_q[-1]} but the packed "
+                             f"input has {query.shape[0]} tokens")
+        out = query.new_zeros(query.shape[0], query.shape[1], query.shape[2])
+        for start, end in zip(bounds_q[:-1], bounds_q[1:]):
+            if end <= start:
+                continue
+            # [t, n, d] -> [1, n, t, d]
+            q, k, v = (x[start:end].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+            out[start:end] = self._sdpa(q, k, v, causal)[0].permute(1, 0, 2)
+        return out.reshape(query.shape[0], -1)

@@ -1,0 +1,241 @@
+"""Platform: device/backend selection (NPU through a test double), CPU emulation, init_parallel,
+the model-parallel RNG tracker on CPU, and the SDPA core attention against a float64 reference."""
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from opkd_mcore.platform import device as platform_device
+from opkd_mcore.platform import megatron_cpu, parallel
+from opkd_mcore.platform.parallel import ParallelConfig
+from tests._dist import run_distributed
+
+
+# ----------------------------------------------------------------------------- NPU selection
+class FakeNpuForSelectionTest:
+    """Test double for `torch.npu` (Ascend): records set_device; nothing here can run on an NPU."""
+
+    def __init__(self):
+        self.devices_set = []
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return 8
+
+    def set_device(self, index):
+        self.devices_set.append(index)
+
+    def current_device(self):
+        return self.devices_set[-1] if self.devices_set else 0
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    fake = FakeNpuForSelectionTest()
+    # what importing torch_npu does: name torch's out-of-tree device slot "npu" (once per process)
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        torch.utils.rename_privateuse1_backend("npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(platform_device.importlib.util, "find_spec",
+                        lambda name: object() if name == "torch_npu" else None)
+    monkeypatch.delenv("OPKD_DEVICE", raising=False)
+    platform_device.detect_device_type.cache_clear()
+    yield fake
+    platform_device.detect_device_type.cache_clear()
+
+
+def test_npu_is_detected_and_uses_hccl(fake_npu, monkeypatch):
+    assert platform_device.device_type() == "npu"
+    assert platform_device.collective_backend() == "hccl"
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert parallel.bind_local_device("npu") == torch.device("npu", 3)
+    assert fake_npu.devices_set == [3]
+    assert platform_device.current_device() == torch.device("npu", 3)
+
+
+class _StopBeforeProcessGroup(Exception):
+    pass
+
+
+def test_init_parallel_on_npu_leaves_cpu_emulation_off(fake_npu, monkeypatch):
+    def stop(backend, timeout):
+        assert backend == "hccl"
+        raise _StopBeforeProcessGroup
+
+    monkeypatch.setattr(parallel, "_init_process_group", stop)
+    with pytest.raises(_StopBeforeProcessGroup):
+        parallel.init_parallel(ParallelConfig())
+    assert not megatron_cpu.is_enabled()
+
+
+def test_device_override_and_bad_value(monkeypatch):
+    monkeypatch.setenv("OPKD_DEVICE", "cpu")
+    assert platform_device.device_type() == "cpu"
+    assert platform_device.collective_backend() == "gloo"
+    with pytest.raises(ValueError, match="device: expected one of"):
+        platform_device.device_type("tpu")
+
+
+# ----------------------------------------------------------------------------- config
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tp=0), "ParallelConfig.tp"), (dict(pp="2"), "ParallelConfig.pp"),
+    (dict(vpp=0), "ParallelConfig.vpp"), (dict(vpp=2, pp=1), "needs pp >= 2"),
+])
+def test_parallel_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kwargs).validate()
+
+
+def test_parallel_config_rejects_world_size_not_divisible():
+    with pytest.raises(ValueError, match="world size 3 is not divisible by tp\\*pp\\*cp"):
+        ParallelConfig(tp=2).validate(world_size=3)
+
+
+# ----------------------------------------------------------------------------- emulation
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation is for CPU-only torch")
+def test_cpu_emulation_bridges_cuda_calls_and_is_reversible():
+    megatron_cpu.enable_cpu_emulation()
+    try:
+        assert torch.cuda.current_device() == 0
+        assert torch.empty(3, device="cuda").device.type == "cpu"
+        assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
+        assert torch.ones(2).cuda().device.type == "cpu"
+        assert torch.ones(2).to("cuda:0", torch.float64).dtype == torch.float64
+        assert torch.ones(2).type() == "torch.cuda.FloatTensor"  # Megatron's optimizers check this
+        assert torch.tensor([1.0], device=torch.device("cuda", 0), pin_memory=True).device.type == "cpu"
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.cuda.nvtx.range_push("x")
+            torch.cuda.nvtx.range_pop()
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(torch.empty(1, device="cuda").device))
+        worker.start(), worker.join()
+        assert seen == [torch.device("cpu")]  # the device mode also covers threads started now
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(), end.record()
+        assert start.elapsed_time(end) >= 0
+    finally:
+        megatron_cpu.disable_cpu_emulation()
+    assert not megatron_cpu.is_enabled()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.empty(3, device="cuda")
+
+
+# ----------------------------------------------------------------------------- SDPA attention
+def _reference_attention(q, k, v, segments, scale):
+    """float64 brute force: per segment, causal softmax(q k^T * scale) v with GQA groups."""
+    t, heads, d = q.shape
+    groups = k.shape[1]
+    out = torch.zeros(t, heads, d, dtype=torch.float64)
+    for start, end in segments:
+        for h in range(heads):
+            g = h // (heads // groups)
+            for i in range(start, end):
+                scores = [float(q[i, h].double() @ k[j, g].double()) * scale for j in range(start, i + 1)]
+                m = max(scores)
+                w = torch.tensor([math.exp(s - m) for s in scores], dtype=torch.float64)
+                w = w / w.sum()
+                out[i, h] = (w[:, None] * v[start:i + 1, g].double()).sum(0)
+    return out
+
+
+def _attention(heads=4, groups=2, d=8):
+    from opkd_mcore.platform.sdpa_attention import SdpaCoreAttention
+
+    cfg = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0, kv_channels=d,
+                          num_attention_heads=heads, num_query_groups=groups)
+    return SdpaCoreAttention(cfg, layer_number=1, attn_mask_type=SimpleNamespace(name="causal")).eval()
+
+
+def test_sdpa_attention_packed_gqa_matches_float64_reference():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    torch.manual_seed(0)
+    lengths = [3, 1, 5]
+    t = sum(lengths)
+    q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=5, max_seqlen_kv=5)
+    out = _attention()(q, k, v, None, packed_seq_params=params)
+    expected = _reference_attention(q, k, v, [(0, 3), (3, 4), (4, 9)], 1 / math.sqrt(8))
+    assert out.shape == (t, 32)
+    torch.testing.assert_close(out.double(), expected.reshape(t, 32), rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_attention_batched_sbhd_matches_reference():
+    torch.manual_seed(1)
+    s, b = 6, 2
+    q, k, v = torch.randn(s, b, 4, 8), torch.randn(s, b, 2, 8), torch.randn(s, b, 2, 8)
+    out = _attention()(q, k, v, None)
+    assert out.shape == (s, b, 32)
+    for i in range(b):
+        expected = _reference_attention(q[:, i], k[:, i], v[:, i], [(0, s)], 1 / math.sqrt(8))
+        torch.testing.assert_close(out[:, i].double(), expected.reshape(s, 32), rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_attention_rejects_cu_seqlens_longer_than_input():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with pytest.raises(ValueError, match="cu_seqlens ends at 12"):
+        _attention()(torch.randn(8, 4, 8), torch.randn(8, 2, 8), torch.randn(8, 2, 8), None,
+                     packed_seq_params=params)
+
+
+# ----------------------------------------------------------------------------- real processes
+def _init_and_probe(rank, world_size):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from opkd_mcore.platform import destroy_parallel, init_parallel
+
+    init_parallel(ParallelConfig(tp=2, seed=42))
+    try:
+        probe = dict(tp=ps.get_tensor_model_parallel_world_size(),
+                     tp_rank=ps.get_tensor_model_parallel_rank(),
+                     dp=ps.get_data_parallel_world_size(), emulated=megatron_cpu.is_enabled())
+        default_before = torch.get_rng_state()
+        with get_cuda_rng_tracker().fork():
+            probe["tp_draw"] = torch.rand(4).tolist()
+        probe["default_untouched"] = torch.equal(default_before, torch.get_rng_state())
+        with get_cuda_rng_tracker().fork("data-parallel-rng"):
+            probe["dp_draw"] = torch.rand(4).tolist()
+        probe["default_draw"] = torch.rand(4).tolist()
+    finally:
+        destroy_parallel()
+    probe["emulated_after_destroy"] = megatron_cpu.is_enabled()
+    return probe  # plain Python values: tensors would travel as shared memory of an exiting process
+
+
+@pytest.fixture(scope="module")
+def probes():
+    return run_distributed(_init_and_probe, 2)
+
+
+def test_init_parallel_builds_tp_groups_with_cpu_emulation(probes):
+    assert [p["tp_rank"] for p in probes] == [0, 1]
+    assert all(p["tp"] == 2 and p["dp"] == 1 and p["emulated"] for p in probes)
+    assert not any(p["emulated_after_destroy"] for p in probes)
+
+
+def test_rng_tracker_on_cpu_differs_per_tp_rank_and_spares_default_stream(probes):
+    assert probes[0]["tp_draw"] != probes[1]["tp_draw"]
+    assert probes[0]["dp_draw"] == probes[1]["dp_draw"]
+    assert probes[0]["default_draw"] == probes[1]["default_draw"]
+    assert all(p["default_untouched"] for p in probes)
+    g = torch.Generator().manual_seed(42 + 2718 + 1)  # Megatron's TP seed offset for TP rank 1
+    assert probes[1]["tp_draw"] == torch.rand(4, generator=g).tolist()

@@ -1,0 +1,112 @@
+"""Forward + backward step time and peak memory of a Qwen3-shaped Megatron GPTModel.
+
+Default shape: ~1.1B parameters (hidden 2048, 16 layers, 16 heads / 8 KV heads of dim 128,
+FFN 6144, vocab 151936, tied embeddings), bf16, random weights, vocab-parallel cross entropy.
+Launch with torchrun, one process per GPU (TP = number of processes by default):
+
+    torchrun --nproc-per-node 2 tools/bench_models.py --out bench_models.json
+
+Prints a table on rank 0 and writes the numbers as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size")
+    p.add_argument("--layers", type=int, default=16, help="decoder layers")
+    p.add_argument("--heads", type=int, default=16, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    p.add_argument("--ffn", type=int, default=6144, help="SwiGLU intermediate size")
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per step")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size)")
+    p.add_argument("--out", default=None, help="JSON output path (rank 0)")
+    return p.parse_args()
+
+
+def _peak_memory_gib(on_gpu: bool) -> float:
+    """Peak GPU memory allocated by torch, or peak resident memory of the process on CPU."""
+    import resource
+
+    import torch
+
+    if on_gpu:
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def main():
+    import torch
+    import torch.distributed as dist
+    from megatron.core import tensor_parallel
+
+    from opkd_mcore.models import build_model, hf_weight_metadata
+    from opkd_mcore.models.tiny import TinyModelShape, tiny_hf_config
+    from opkd_mcore.platform import ParallelConfig, current_device, destroy_parallel, init_parallel
+
+    args = parse_args()
+    init_parallel(ParallelConfig(tp=args.tp or int(os.environ.get("WORLD_SIZE", "1"))))
+    shape = TinyModelShape(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                           num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                           head_dim=args.head_dim, intermediate_size=args.ffn,
+                           max_position_embeddings=max(args.seq, 4096), tie_word_embeddings=True)
+    model = build_model(tiny_hf_config("qwen3", shape))[0]
+    num_params = sum(torch.Size(m.shape).numel() for m in hf_weight_metadata([model]))
+    device = current_device()
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=device, generator=gen)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    pos = torch.arange(args.seq, device=device).unsqueeze(0).expand_as(inputs)
+
+    def step():
+        logits = model(input_ids=inputs, position_ids=pos, attention_mask=None)  # [b, s, V/tp]
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
+        loss.backward()
+        return loss
+
+    on_gpu = torch.cuda.is_available()
+    times = []
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    peak = torch.tensor([_peak_memory_gib(on_gpu)], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    step_s = statistics.median(times)
+    result = dict(
+        device=torch.cuda.get_device_name() if on_gpu else "cpu", world_size=dist.get_world_size(),
+        tp=args.tp or dist.get_world_size(),
+        params_billion=round(num_params / 1e9, 3), seq=args.seq, micro_batch=args.micro_batch,
+        dtype=str(model.config.params_dtype).replace("torch.", ""), step_ms_median=round(step_s * 1e3, 1),
+        step_ms_min=round(min(times) * 1e3, 1), tokens_per_s=round(args.seq * args.micro_batch / step_s),
+        peak_mem_gib_max_rank=round(peak.item(), 2), loss=round(loss.item(), 3),
+        torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    if dist.get_rank() == 0:
+        for key, value in result.items():
+            print(f"{key:>24}  {value}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+    destroy_parallel(destroy_process_group=True)
+
+
+if __name__ == "__main__":
+    main()
