@@ -18,10 +18,14 @@ def _cpu_extension():
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:  # torch not installed in the build environment
         return {}
+    # The row loops (exp polynomial, floor, blends) vectorise only with -fno-trapping-math (GCC
+    # will not if-convert FP selects otherwise) and SSE4.1+ (-march=native: the extension is built
+    # on the machine that runs it, scripts/install.sh; OPKD_CPP_PORTABLE=1 for binaries that travel).
+    arch = [] if os.environ.get("OPKD_CPP_PORTABLE") == "1" else ["-march=native"]
     ext = CppExtension(
         "opkd_kernels._cpu",
         sources,
-        extra_compile_args=["-O3", "-fopenmp"],
+        extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"] + arch,
         extra_link_args=["-fopenmp"],
         optional=True,
     )

@@ -1,0 +1,237 @@
+"""Fused distillation loss over a TP-sharded vocabulary: the autograd Function and its entry point.
+
+The kernels (Triton on CUDA, the C++ twin on CPU) do the per-row passes over `[N, V_local]`;
+this file slots the TP collectives between them, as Megatron's vocab-parallel cross entropy does:
+
+    forward:  row stats (1 pass)  -> MAX + SUM all-reduce of [N, 2] / [N, 4]
+              JSD only: 2nd pass -> SUM all-reduce of [N, 2]
+              sparse support: gather s_S (and the dense teacher's u_S) at the K ids -> SUM all-reduce,
+              then the objective on replicated [N, K] tensors (`sparse_objective`)
+    backward: one pass writing d loss / d logits, in place into the logits buffer when allowed,
+              then (sparse support) a masked store of the K support entries.
+
+Extra memory is O(N) floats dense and O(N K) sparse: no [N, V] temporary in either direction.
+No `.item()` or other host sync: every per-row constant stays on the device.
+Shape legend: N tokens, V_local vocab entries on this rank, K support ids per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .sparse_objective import effective_divergence, sparse_objective_and_grads
+
+DIV_CODES = {"forward_kl": 1, "reverse_kl": 2, "jsd": 3}
+COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KdSpec:
+    """The objective, with the same meaning as `kd_loss`'s keywords (see DESIGN.md)."""
+
+    divergence: str = "forward_kl"   # forward_kl | reverse_kl | jsd
+    beta: float = 0.5                # JSD mixture weight; 0 / 1 = unscaled forward / reverse KL
+    temperature: float = 1.0         # student (and dense teacher) logits are divided by it
+    support: str | None = None       # None (full vocab, dense) | "teacher" | "union" (dense)
+    k: int | None = None             # support size for a dense teacher
+    mass: str = "renorm"             # renorm | tail | raw, on a sparse support
+    coverage_coef: float = 0.0       # weight of -log(student mass on S)
+
+
+# ---------------------------------------------------------------- TP collectives (explicit group)
+def _tp_size(group) -> int:
+    # group None means "no tensor parallelism", not the default (world) group
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _tp_rank(group) -> int:
+    return dist.get_rank(group) if _tp_size(group) > 1 else 0
+
+
+def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
+    if _tp_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _reduce_stats(stats: torch.Tensor, group):
+    """Shard stats (m_s, l_s, m_u, l_u, a, b) -> global (lse [N, 2], a / l_u, b / l_s)."""
+    m_local = stats[:, [0, 2]].contiguous()
+    m_global = _all_reduce(m_local.clone(), dist.ReduceOp.MAX, group)
+    scale = torch.exp(m_local - m_global)
+    sums = torch.stack([stats[:, 1] * scale[:, 0], stats[:, 3] * scale[:, 1],
+                        stats[:, 4] * scale[:, 1], stats[:, 5] * scale[:, 0]], dim=1)
+    sums = _all_reduce(sums, dist.ReduceOp.SUM, group)
+    lse = m_global + torch.log(sums[:, :2])
+    return lse.contiguous(), sums[:, 2] / sums[:, 1], sums[:, 3] / sums[:, 0]
+
+
+def _sharded_topk_ids(x_NV: torch.Tensor, k: int, offset: int, group) -> torch.Tensor:
+    """Global ids `[N, k]` of the row-wise top-k over all shards (local top-k, all-gather, top-k)."""
+    vals, idx = x_NV.float().topk(min(k, x_NV.shape[1]), dim=1)
+    idx = idx + offset
+    world = _tp_size(group)
+    if world > 1:
+        all_vals = [torch.empty_like(vals) for _ in range(world)]
+        all_idx = [torch.empty_like(idx) for _ in range(world)]
+        dist.all_gather(all_vals, vals.contiguous(), group=group)
+        dist.all_gather(all_idx, idx.contiguous(), group=group)
+        vals, idx = torch.cat(all_vals, dim=1), torch.cat(all_idx, dim=1)
+    top = vals.topk(min(k, vals.shape[1]), dim=1).indices
+    return idx.gather(1, top)
+
+
+def _union_ids(a_NK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
+    """Row-wise set union, duplicates turned into padding (-1)."""
+    ids = torch.cat([a_NK, b_NK], dim=1).sort(dim=1).values
+    dup = torch.zeros_like(ids, dtype=torch.bool)
+    dup[:, 1:] = ids[:, 1:] == ids[:, :-1]
+    return ids.masked_fill(dup, -1)
+
+
+def _gather_support(x_NV: torch.Tensor, local_NK: torch.Tensor, inv_t: float, group) -> torch.Tensor:
+    """x / T at the support ids, float32 `[N, K]`, replicated over the TP group (0 at padding)."""
+    on_shard = local_NK >= 0
+    idx = local_NK.clamp(0, x_NV.shape[1] - 1)
+    vals = torch.where(on_shard, x_NV.gather(1, idx).float() * inv_t, 0.0)
+    return _all_reduce(vals, dist.ReduceOp.SUM, group)
+
+
+# ---------------------------------------------------------------- the autograd Function
+def _dense_forward(backend, z, t, lse, a_over_lu, b_over_ls, spec, kind, inv_t, group):
+    """Full-vocabulary loss [N] and the per-row constants (factor, c1) of its gradient."""
+    lse_s, lse_u = lse[:, 0], lse[:, 1]
+    if kind == "forward_kl":
+        return a_over_lu - lse_u + lse_s, 1.0, torch.zeros_like(lse_s)
+    if kind == "reverse_kl":
+        loss = b_over_ls - lse_s + lse_u
+        return loss, 1.0, loss
+    sums = _all_reduce(backend.jsd_sums(z, t, lse, inv_t, spec.beta), dist.ReduceOp.SUM, group)
+    return sums[:, 0].contiguous(), 1.0 - spec.beta, sums[:, 1].contiguous()
+
+
+def _support_ids(z, t, ids, spec, offset, group):
+    if ids is not None:
+        return ids
+    teacher_top = _sharded_topk_ids(t, spec.k, offset, group)
+    if spec.support == "union":
+        return _union_ids(teacher_top, _sharded_topk_ids(z, spec.k, offset, group))
+    return teacher_top
+
+
+class FusedKdLoss(torch.autograd.Function):
+    """forward(student [N, V_local], teacher [N, V_local] | None, ids [N, K] | None,
+    logprobs [N, K] | None, spec, backend, group, inplace_grad) -> loss [N] float32."""
+
+    @staticmethod
+    def forward(ctx, z, t, ids, logprobs, spec: KdSpec, backend, group, inplace_grad: bool):
+        inv_t = 1.0 / spec.temperature
+        kind = effective_divergence(spec.divergence, spec.beta)
+        dense_teacher = t is not None
+        stats = backend.row_stats(z, t if (dense_teacher and spec.support is None) else None, inv_t)
+        lse, a_over_lu, b_over_ls = _reduce_stats(stats, group)
+        if dense_teacher and spec.support is not None:
+            # the teacher's log-partition is needed for log p_S; its own pass, student columns unused
+            lse_t, _, _ = _reduce_stats(backend.row_stats(t, None, inv_t), group)
+            lse = torch.stack([lse[:, 0], lse_t[:, 0]], dim=1)
+        ctx.spec, ctx.backend, ctx.inplace = spec, backend, inplace_grad
+        ctx.dense = spec.support is None
+        if ctx.dense:
+            loss, factor, c1 = _dense_forward(backend, z, t, lse, a_over_lu, b_over_ls, spec, kind, inv_t, group)
+            ctx.code, ctx.factor = DIV_CODES[kind], factor
+            ctx.save_for_backward(z, t, lse, c1)
+            return loss
+        v_local = z.shape[1]
+        offset = _tp_rank(group) * v_local
+        ids = _support_ids(z, t, ids, spec, offset, group)
+        local = ids - offset
+        local = torch.where((ids >= 0) & (local >= 0) & (local < v_local), local, -1)
+        s_S = _gather_support(z, local, inv_t, group)
+        valid = ids >= 0
+        if dense_teacher:
+            log_p_S = _gather_support(t, local, inv_t, group) - lse[:, 1:2]
+        else:
+            log_p_S = logprobs.float()
+        loss, d_s, d_lse = sparse_objective_and_grads(
+            s_S, lse[:, 0], log_p_S, valid, spec.divergence, spec.beta, spec.mass, spec.coverage_coef,
+            need_grad=ctx.needs_input_grad[0])
+        ctx.save_for_backward(z, local, s_S, d_s, d_lse, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        spec, backend = ctx.spec, ctx.backend
+        inv_t = 1.0 / spec.temperature
+        g = grad_loss.float() * inv_t
+        if ctx.dense:
+            z, t, lse, c1 = ctx.saved_tensors
+            out = z if ctx.inplace else torch.empty_like(z)
+            coef = torch.stack([g * ctx.factor, c1], dim=1)
+            backend.write_grad(z, t, out, lse, coef, inv_t, spec.beta, ctx.code)
+        else:
+            z, local, s_S, d_s, d_lse, lse = ctx.saved_tensors
+            out = z if ctx.inplace else torch.empty_like(z)
+            coef = torch.stack([g * d_lse, torch.zeros_like(g)], dim=1)
+            backend.write_grad(z, None, out, lse, coef, inv_t, spec.beta, 0)
+            backend.sparse_scatter(out, local, s_S, d_s * g[:, None], lse, coef)
+        if ctx.inplace:
+            # Anything else that saved the logits for its backward must now fail loudly.
+            torch.autograd.graph.increment_version(z)
+        return out, None, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------- entry point
+def _row_major(x: torch.Tensor | None) -> torch.Tensor | None:
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def select_backend(student_logits: torch.Tensor, backend: str = "auto"):
+    """The backend object for a tensor: "triton", "cpp", or "auto" (None if nothing covers it)."""
+    from . import cpu_backend
+
+    if backend in ("auto", "triton"):
+        try:
+            from .triton_backend import TritonKdBackend, triton_usable_on
+        except ImportError:
+            TritonKdBackend = None
+        if TritonKdBackend is not None and triton_usable_on(student_logits) and (
+                backend == "triton" or student_logits.device.type != "cpu"):
+            return TritonKdBackend()
+        if backend == "triton":
+            return None
+    if backend in ("auto", "cpp") and student_logits.device.type == "cpu" and cpu_backend.available():
+        return cpu_backend.CppKdBackend()
+    return None
+
+
+def fused_kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None = None,
+                  topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None, *,
+                  spec: KdSpec = KdSpec(), tp_group=None, backend="auto",
+                  inplace_grad: bool | None = None) -> torch.Tensor:
+    """Per-token distillation loss `[N]` float32 through the fused kernels.
+
+    Either `teacher_logits` (dense, sharded like the student) or `topk_ids` + `topk_logprobs`.
+    `backend`: "auto" | "triton" | "cpp" or a backend object. `inplace_grad`: write the gradient
+    into the student-logits buffer (default: yes unless the logits are a leaf tensor, i.e. a
+    buffer the caller owns rather than a model output). Inputs are assumed valid (`kd_loss`
+    validates them); unsupported dtypes raise ValueError.
+    """
+    if student_logits.dtype not in COVERED_DTYPES:
+        raise ValueError(f"student_logits: fused kernels take {COVERED_DTYPES}, got {student_logits.dtype}")
+    if teacher_logits is None and (topk_ids is None or topk_logprobs is None):
+        raise ValueError("teacher: pass teacher_logits, or topk_ids together with topk_logprobs")
+    if teacher_logits is None and spec.support is None:
+        raise ValueError("spec.support: a top-k teacher needs support='teacher', got None")
+    if teacher_logits is not None and spec.support is not None and topk_ids is None and spec.k is None:
+        raise ValueError(f"spec.k: support={spec.support!r} with dense teacher logits needs k, got None")
+    impl = select_backend(student_logits, backend) if isinstance(backend, str) else backend
+    if impl is None:
+        raise ValueError(f"backend: {backend!r} cannot run on a {student_logits.device.type} tensor here")
+    if inplace_grad is None:
+        inplace_grad = not student_logits.is_leaf
+    return FusedKdLoss.apply(_row_major(student_logits), _row_major(teacher_logits), topk_ids,
+                             topk_logprobs, spec, impl, tp_group, inplace_grad)

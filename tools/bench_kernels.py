@@ -1,0 +1,300 @@
+"""Benchmark the fused distillation loss against its peers, side by side, in one run.
+
+For each shape and objective: median time of forward + backward (CUDA events), achieved GB/s,
+% of the device-copy bandwidth measured in the same run, and peak extra memory, for
+    fused        opkd_kernels (Triton), gradient written in place into the student logits
+    reference    kd_loss(impl="reference"), the torch path (eager)
+    compiled     the same objective written as plain torch, under torch.compile
+    liger_jsd    Liger-Kernel's JSD on precomputed log-softmax inputs (dense objectives)
+    megatron_ce  Megatron's vocab_parallel_cross_entropy on the same student logits: the
+                 one-pass floor (reads the logits, writes their gradient)
+Bytes counted: read student + read teacher (dense) + write gradient. Every method returns its
+gradient through `torch.autograd.grad` (no `.grad` accumulation, which would clone a gradient
+that aliases its input), so the peak extra memory includes each method's gradient buffer.
+
+Launch (TP=1):  python tools/bench_kernels.py --out bench.json      (also `opkd bench kernels`)
+        (TP=2): torchrun --nproc_per_node 2 tools/bench_kernels.py --out bench_tp2.json
+CPU: --device cpu benchmarks the C++ twin against the reference path (wall clock).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from opkd_kernels.fused_kd import KdSpec, fused_kd_loss  # noqa: E402
+from opkd_mcore.losses import DenseTeacher, TopKTeacher, kd_loss  # noqa: E402
+
+OBJECTIVES = {
+    "forward_kl": dict(divergence="forward_kl"),
+    "reverse_kl": dict(divergence="reverse_kl"),
+    "jsd": dict(divergence="jsd", beta=0.5),
+    "topk64": dict(support="teacher", mass="renorm", k_teacher=64),
+    "topk256": dict(support="teacher", mass="renorm", k_teacher=256),
+    "topk256_tail": dict(support="teacher", mass="tail", k_teacher=256),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="4096x128256,16384x151936", help="NxV list (V = full vocabulary)")
+    p.add_argument("--objectives", default="forward_kl,jsd,topk256", help=f"from {list(OBJECTIVES)}")
+    p.add_argument("--methods", default="fused,reference,compiled,liger_jsd,megatron_ce", help="columns to run")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="logits dtype")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs per cell (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per cell")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="cpu = C++ twin")
+    p.add_argument("--out", default=None, help="write the JSON here")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- setup
+def init_group(device: str):
+    """TP group over all processes (torchrun), or a 1-process group so Megatron's CE can run."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank = dist.get_rank()
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    return dist.group.WORLD, rank, dist.get_world_size()
+
+
+def make_inputs(n, vocab, tp, rank, dtype, device, obj):
+    v_local = vocab // tp
+    g = torch.Generator(device=device).manual_seed(1234 + rank)
+    z = (torch.randn(n, v_local, generator=g, device=device, dtype=torch.float32) * 2).to(dtype)
+    t = (torch.randn(n, v_local, generator=g, device=device, dtype=torch.float32) * 2).to(dtype)
+    k = obj.get("k_teacher")
+    if k is None:
+        return z, DenseTeacher(t), None
+    # teacher top-k ids spread over the whole vocabulary (every shard holds some)
+    gk = torch.Generator(device=device).manual_seed(99)
+    ids = torch.rand(n, vocab, generator=gk, device=device).topk(k, dim=1).indices
+    logprobs = torch.log_softmax(torch.randn(n, k, generator=gk, device=device), dim=1) - 0.1
+    del t
+    return z, TopKTeacher(ids, logprobs), k
+
+
+# ---------------------------------------------------------------- timing
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats, warmup, group):
+    """(median ms, peak extra bytes) of fn(); max over TP ranks."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if dist.get_world_size(group) > 1:
+            dist.barrier(group=group)
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = 0
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    stats = torch.tensor([statistics.median(times), float(peak)], dtype=torch.float64,
+                         device=device if device == "cuda" else "cpu")
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+    return stats[0].item(), int(stats[1].item())
+
+
+def copy_bandwidth(z, device, repeats, group):
+    """GB/s of a device copy of a logits-sized buffer (bytes read + written)."""
+    dst = torch.empty_like(z)
+    ms, _ = timed(lambda: dst.copy_(z), device, repeats, 2, group)
+    return 2 * z.numel() * z.element_size() / ms / 1e6
+
+
+# ---------------------------------------------------------------- the methods
+def _kd_kwargs(obj):
+    return {k: v for k, v in obj.items() if k != "k_teacher"}
+
+
+def method_fused(z, teacher, obj, group, device):
+    kd = _kd_kwargs(obj)
+    spec = KdSpec(divergence=kd.get("divergence", "forward_kl"), beta=kd.get("beta", 0.5),
+                  support=kd.get("support"), mass=kd.get("mass", "renorm"))
+    leaf = z.clone().requires_grad_()
+    dense = isinstance(teacher, DenseTeacher)
+
+    def run():
+        loss = fused_kd_loss(leaf, teacher.logits if dense else None, None if dense else teacher.ids,
+                             None if dense else teacher.logprobs, spec=spec, tp_group=group, inplace_grad=True)
+        return torch.autograd.grad(loss.sum(), leaf)
+    return run
+
+
+def method_reference(z, teacher, obj, group, device):
+    leaf = z.clone().requires_grad_()
+    kd = _kd_kwargs(obj)
+
+    def run():
+        return torch.autograd.grad(
+            kd_loss(leaf, teacher, tp_group=group, impl="reference", validate=False, **kd).sum(), leaf)
+    return run
+
+
+def _plain_objective(z, t, divergence, beta):
+    log_q = torch.log_softmax(z.float(), dim=-1)
+    log_p = torch.log_softmax(t.float(), dim=-1)
+    if divergence == "forward_kl":
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    if divergence == "reverse_kl":
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+    log_m = torch.logaddexp(log_p + torch.log(torch.tensor(beta)), log_q + torch.log(torch.tensor(1 - beta)))
+    return (beta * log_p.exp() * (log_p - log_m) + (1 - beta) * log_q.exp() * (log_q - log_m)).sum(-1)
+
+
+def method_compiled(z, teacher, obj, group, device):
+    if not isinstance(teacher, DenseTeacher) or dist.get_world_size(group) > 1:
+        return None
+    fn = torch.compile(_plain_objective, dynamic=False)
+    leaf = z.clone().requires_grad_()
+    div, beta = obj.get("divergence", "forward_kl"), obj.get("beta", 0.5)
+
+    def run():
+        return torch.autograd.grad(fn(leaf, teacher.logits, div, beta).sum(), leaf)
+    return run
+
+
+def method_liger_jsd(z, teacher, obj, group, device):
+    if not isinstance(teacher, DenseTeacher) or dist.get_world_size(group) > 1 or device != "cuda":
+        return None
+    try:
+        from liger_kernel.transformers.jsd import LigerJSD
+    except ImportError:
+        return None
+    beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(obj.get("divergence"), obj.get("beta", 0.5))
+    jsd = LigerJSD(beta=beta)
+    log_q = torch.log_softmax(z.float(), dim=-1).to(z.dtype).requires_grad_()
+    log_p = torch.log_softmax(teacher.logits.float(), dim=-1).to(z.dtype)
+
+    def run():
+        return torch.autograd.grad(jsd(log_q, log_p), log_q)
+    return run
+
+
+def method_megatron_ce(z, teacher, obj, group, device):
+    if device != "cuda":
+        return None
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    except ImportError:
+        return None
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(group))
+    vocab = z.shape[1] * dist.get_world_size(group)
+    target = torch.randint(0, vocab, (z.shape[0],), device=z.device)
+    leaf = z.clone().requires_grad_()
+
+    def run():
+        return torch.autograd.grad(vocab_parallel_cross_entropy(leaf, target).sum(), leaf)
+    return run
+
+
+METHODS = {"fused": method_fused, "reference": method_reference, "compiled": method_compiled,
+           "liger_jsd": method_liger_jsd, "megatron_ce": method_megatron_ce}
+
+
+# ---------------------------------------------------------------- driver
+def bench_cell(n, vocab, name, args, group, rank, tp, device):
+    obj = OBJECTIVES[name]
+    dtype = getattr(torch, args.dtype)
+    z, teacher, k = make_inputs(n, vocab, tp, rank, dtype, device, obj)
+    copy_gbps = copy_bandwidth(z, device, args.repeats, group)
+    elem = z.element_size()
+    logits_bytes = z.numel() * elem
+    moved = logits_bytes * (3 if k is None else 2)
+    rows = []
+    for method in args.methods.split(","):
+        row = dict(n=n, vocab=vocab, tp=tp, objective=name, method=method, dtype=args.dtype)
+        try:
+            run = METHODS[method](z, teacher, obj, group, device)
+            if run is None:
+                continue
+            ms, peak = timed(run, device, args.repeats, args.warmup, group)
+            gbps = moved / ms / 1e6
+            row.update(ms=ms, gbps=gbps, pct_copy=100 * gbps / copy_gbps, peak_extra_bytes=peak,
+                       peak_extra_pct_of_logits=100 * peak / logits_bytes)
+        except torch.cuda.OutOfMemoryError:
+            row.update(error="OOM")
+        except Exception as e:  # a peer failing must not hide the other columns
+            row.update(error=f"{type(e).__name__}: {str(e)[:120]}")
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+    for row in rows:
+        row["copy_gbps"] = copy_gbps
+    return rows
+
+
+def print_table(rows):
+    head = f"{'N x V':>16} {'tp':>2} {'objective':>13} {'method':>12} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'extra mem':>12}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        shape = f"{r['n']}x{r['vocab']}"
+        if "error" in r:
+            print(f"{shape:>16} {r['tp']:>2} {r['objective']:>13} {r['method']:>12} {r['error']}")
+            continue
+        mem = f"{r['peak_extra_bytes'] / 2**30:.2f} GiB ({r['peak_extra_pct_of_logits']:.0f}%)"
+        print(f"{shape:>16} {r['tp']:>2} {r['objective']:>13} {r['method']:>12} {r['ms']:9.3f} "
+              f"{r['gbps']:7.0f} {r['pct_copy']:6.1f} {mem:>12}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    group, rank, tp = init_group(device)
+    rows = []
+    for shape in args.shapes.split(","):
+        n, vocab = (int(x) for x in shape.lower().split("x"))
+        for name in args.objectives.split(","):
+            rows += bench_cell(n, vocab, name, args, group, rank, tp, device)
+    if rank == 0:
+        print_table(rows)
+        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
+                    device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+                    tp=tp, argv=sys.argv[1:])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
