@@ -1,0 +1,329 @@
+"""Checkpoint conversion HF <-> Megatron distributed checkpoint (`opkd convert`, tools/convert_ckpt.py).
+
+    opkd convert hf-to-mcore --hf-dir IN --out OUT [--tp N] [--pp M] [--vpp V] [--force]
+    opkd convert mcore-to-hf --mcore-dir IN --out OUT [--tp N] [--pp M] [--force]
+
+A Megatron checkpoint written here (or by `MegatronEngine.save_checkpoint`) is a directory:
+
+    OUT/                       megatron.core.dist_checkpointing files (metadata.json, *.distcp, common.pt)
+    OUT/hf/                    the HF config, tokenizer and generation config it came from (no weights)
+    OUT/opkd_checkpoint.json   what is inside (model / optimizer), dtype, the layout it was saved with
+
+dist_checkpointing stores global tensors, so a checkpoint saved with one TP/PP/VPP layout loads into
+any other; `mcore-to-hf` therefore defaults to a single rank. Without a launcher the command spawns
+the ranks it needs (gloo, CPU by default); under torchrun it uses the ranks it was given (the world
+size must be a multiple of tp*pp; extra ranks are data-parallel replicas).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import traceback
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "opkd_checkpoint.json"
+HF_SUBDIR = "hf"
+FORMAT = "opkd-mcore/megatron-dist-v1"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- checkpoint format
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_checkpoint_meta(ckpt_dir: str) -> dict:
+    """`opkd_checkpoint.json` of a Megatron checkpoint; FileNotFoundError naming what is missing."""
+    path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"mcore_dir: {ckpt_dir!r} has no {META_FILE} (not a checkpoint written "
+                                f"by opkd convert / MegatronEngine.save_checkpoint)")
+    if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
+        raise FileNotFoundError(f"mcore_dir: {ckpt_dir!r} has no metadata.json (incomplete "
+                                f"dist_checkpointing save?)")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"mcore_dir: {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def model_sharded_state_dict(model_chunks) -> dict:
+    """One entry per VPP chunk; the tensor keys inside are global, so any layout can load them."""
+    from opkd_mcore.models.builder import unwrap
+
+    # the unwrapped GPTModel: a DDP wrapper would prefix every key with "module."
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+
+
+def copy_hf_side_files(src_dir: str, dst_dir: str) -> None:
+    """Config, tokenizer, generation config of an HF checkpoint (everything but the weights)."""
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in sorted(os.listdir(src_dir)):
+        path = os.path.join(src_dir, name)
+        if os.path.isfile(path) and not name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, os.path.join(dst_dir, name))
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_mcore_checkpoint(model_chunks, out_dir: str, *, hf_src_dir: str | None = None,
+                          extra_state: dict | None = None, contents: tuple[str, ...] = ("model",),
+                          num_steps: int = 0) -> None:
+    """Collective: write `model_chunks` (+ `extra_state`, e.g. optimizer) as a dist checkpoint."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from opkd_mcore.models.builder import layout_of, unwrap
+
+    layout = layout_of(model_chunks)
+    if _is_rank0():
+        os.makedirs(out_dir, exist_ok=True)
+    dist.barrier()
+    state = model_sharded_state_dict(model_chunks)
+    state.update(extra_state or {})
+    dist_checkpointing.save(state, out_dir)
+    if _is_rank0():
+        # written after the tensors so that a half-written directory is never mistaken for a checkpoint
+        hf_dir = os.path.join(out_dir, HF_SUBDIR)
+        if hf_src_dir is not None:
+            copy_hf_side_files(hf_src_dir, hf_dir)
+        else:
+            layout.bridge.hf_config.save_pretrained(hf_dir)
+        meta = {"format": FORMAT, "contents": list(contents), "num_steps": num_steps,
+                "architecture": layout.bridge.hf_config.architectures[0],
+                "params_dtype": dtype_name(unwrap(model_chunks[0]).config.params_dtype),
+                "saved_with": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp}}
+        with open(os.path.join(out_dir, META_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+    dist.barrier()
+
+
+def load_mcore_model(model_chunks, ckpt_dir: str, extra_sharded_state: dict | None = None) -> dict:
+    """Collective: fill `model_chunks` (any layout) from a checkpoint; returns the loaded state
+    (the model entries already applied), so callers can apply the extra entries they asked for."""
+    from megatron.core import dist_checkpointing
+
+    read_checkpoint_meta(ckpt_dir)
+    request = model_sharded_state_dict(model_chunks)
+    request.update(extra_sharded_state or {})
+    loaded = dist_checkpointing.load(request, ckpt_dir)
+    from opkd_mcore.models.builder import unwrap
+
+    for i, chunk in enumerate(model_chunks):
+        unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    return loaded
+
+
+# ----------------------------------------------------------------------------- the two directions
+def _hf_params_dtype(hf_config) -> torch.dtype:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+    return _DTYPES.get(name, torch.float32)
+
+
+def _progress(desc: str, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", disable=not _is_rank0())
+
+
+def hf_to_mcore_worker(hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, device: str) -> None:
+    """Per rank: build the model for (tp, pp, vpp), read owned HF slices, save a dist checkpoint."""
+    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
+    from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
+
+    init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp), device=device)
+    try:
+        hf_config = load_hf_config(hf_dir)
+        with _progress("hf-to-mcore", 3) as bar:
+            chunks = build_model(hf_config, params_dtype=_hf_params_dtype(hf_config))
+            bar.update()
+            load_hf_weights(chunks, hf_dir)
+            bar.update()
+            save_mcore_checkpoint(chunks, out_dir, hf_src_dir=hf_dir)
+            bar.update()
+    finally:
+        destroy_parallel()
+
+
+def mcore_to_hf_worker(mcore_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, device: str,
+                       max_shard_bytes: int) -> None:
+    """Per rank: build the model for (tp, pp, vpp), load the dist checkpoint, write HF safetensors."""
+    from opkd_mcore.models import build_model, load_hf_config, save_hf_checkpoint
+    from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
+
+    meta = read_checkpoint_meta(mcore_dir)
+    hf_src = os.path.join(mcore_dir, HF_SUBDIR)
+    init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp), device=device)
+    try:
+        chunks = build_model(load_hf_config(hf_src), params_dtype=_DTYPES[meta["params_dtype"]])
+        load_mcore_model(chunks, mcore_dir)
+        save_hf_checkpoint(chunks, out_dir, src_hf_dir=hf_src, max_shard_bytes=max_shard_bytes,
+                           progress=_is_rank0())
+    finally:
+        destroy_parallel()
+
+
+# ----------------------------------------------------------------------------- checks + launching
+def check_output_dir(out_dir: str, force: bool) -> None:
+    """Refuse to overwrite; with `force`, clear only a directory this tool could have written."""
+    if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+        return
+    if not force:
+        raise FileExistsError(f"out: {out_dir!r} already exists and is not empty; pass --force to "
+                              f"overwrite it")
+    ours = os.path.isfile(os.path.join(out_dir, META_FILE)) or \
+        os.path.isfile(os.path.join(out_dir, "model.safetensors.index.json"))
+    if not ours:
+        raise FileExistsError(f"out: {out_dir!r} is not a checkpoint written by this tool; --force only "
+                              f"replaces those, remove it yourself")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets here; one deletes
+        shutil.rmtree(out_dir)
+
+
+def check_hf_input(hf_dir: str, tp: int, pp: int, vpp: int | None) -> None:
+    """Everything that can be checked before ranks start: files, architecture, divisibility."""
+    from opkd_mcore.models import get_bridge, load_hf_config
+
+    if not os.path.isdir(hf_dir):
+        raise FileNotFoundError(f"hf_dir: {hf_dir!r} is not a directory")
+    hf_config = load_hf_config(hf_dir)  # FileNotFoundError naming config.json when it is missing
+    has_weights = any(os.path.isfile(os.path.join(hf_dir, n))
+                      for n in ("model.safetensors", "model.safetensors.index.json"))
+    if not has_weights:
+        raise FileNotFoundError(f"hf_dir: {hf_dir!r} has neither model.safetensors nor "
+                                f"model.safetensors.index.json")
+    get_bridge(hf_config).check_parallel(tp, pp, vpp)
+
+
+def _check_layout(tp: int, pp: int, vpp: int | None) -> None:
+    for name, value in (("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value}")
+    if vpp is not None and (vpp < 1 or (vpp > 1 and pp < 2)):
+        raise ValueError(f"vpp: expected None, or an int >= 1 with pp >= 2 when > 1; got vpp={vpp}, pp={pp}")
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, fn, args, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        fn(*args)
+    except BaseException:  # hand the traceback to the parent, which reports it once
+        errors.put((rank, traceback.format_exc()))
+        sys.exit(1)
+
+
+def launch(fn, world_size: int, *args) -> None:
+    """Run `fn(*args)` on `world_size` ranks: in place under a launcher, else spawned locally."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        if world % world_size:
+            raise ValueError(f"WORLD_SIZE: {world} ranks were launched but tp*pp = {world_size} does not "
+                             f"divide it")
+        fn(*args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_spawned_rank, args=(r, world_size, port, fn, args, errors))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        detail = errors.get() if not errors.empty() else (None, "no traceback (killed?)")
+        raise RuntimeError(f"rank {detail[0]} of {world_size} failed:\n{detail[1]}")
+
+
+# ----------------------------------------------------------------------------- API + CLI
+def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                        force: bool = False, device: str = "cpu") -> None:
+    """HF safetensors checkpoint -> Megatron dist checkpoint (+ HF config/tokenizer in OUT/hf)."""
+    _check_layout(tp, pp, vpp)
+    check_hf_input(hf_dir, tp, pp, vpp)
+    check_output_dir(out_dir, force)
+    launch(hf_to_mcore_worker, tp * pp, os.path.abspath(hf_dir), os.path.abspath(out_dir), tp, pp, vpp,
+           device)
+
+
+def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                        force: bool = False, device: str = "cpu", max_shard_bytes: int = 4 << 30) -> None:
+    """Megatron dist checkpoint -> HF sharded safetensors + index + config + tokenizer."""
+    _check_layout(tp, pp, vpp)
+    read_checkpoint_meta(mcore_dir)
+    if os.path.abspath(mcore_dir) == os.path.abspath(out_dir):
+        raise ValueError("out: must differ from --mcore-dir")
+    check_output_dir(out_dir, force)
+    launch(mcore_to_hf_worker, tp * pp, os.path.abspath(mcore_dir), os.path.abspath(out_dir), tp, pp, vpp,
+           device, max_shard_bytes)
+
+
+def _parse_size(text: str) -> int:
+    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+    text = text.strip().upper()
+    for suffix, scale in units.items():
+        if text.endswith(suffix):
+            return int(float(text[:-len(suffix)]) * scale)
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opkd convert", description="Convert checkpoints HF <-> Megatron.")
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron distributed checkpoint")
+    to_mcore.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config + safetensors)")
+    to_hf = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
+    to_hf.add_argument("--mcore-dir", required=True, help="checkpoint written by hf-to-mcore or training")
+    to_hf.add_argument("--max-shard-size", default="4GB", help="largest safetensors file (e.g. 4GB, 500MB)")
+    for p in (to_mcore, to_hf):
+        p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
+        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used for the conversion")
+        p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+        p.add_argument("--device", default="cpu", help="cpu (gloo) or an accelerator type")
+        p.add_argument("--force", action="store_true", help="replace an existing output checkpoint")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        if args.direction == "hf-to-mcore":
+            convert_hf_to_mcore(args.hf_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
+                                force=args.force, device=args.device)
+        else:
+            convert_mcore_to_hf(args.mcore_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
+                                force=args.force, device=args.device,
+                                max_shard_bytes=_parse_size(args.max_shard_size))
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"opkd convert: error: {err}", file=sys.stderr)
+        return 2
+    if _is_rank0():
+        print(f"opkd convert: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
