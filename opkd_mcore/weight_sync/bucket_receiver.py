@@ -1,0 +1,134 @@
+"""The receiving side without any inference engine: join stage groups, receive buckets, hand out views.
+
+`BucketReceiver` is what the vLLM worker extension (`receiver.py`) and the benchmark's stand-in
+receiver both use. It keeps one transport per PP stage group, the accepted plan, and two receive
+buffers reused across syncs. Stage groups are drained one after another (stage 0 first); within a
+stage, receiving bucket i+1 overlaps loading bucket i.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from opkd_mcore.weight_sync.plan import Bucket, BucketPlan, PlanMismatchError
+from opkd_mcore.weight_sync.protocol import TRAILER_BYTES, ControlChannel, SyncHeader, check_trailer
+from opkd_mcore.weight_sync.transport import TransportConfig, WeightTransport, make_transport
+
+logger = logging.getLogger(__name__)
+
+# name -> (shape, dtype) of every weight the receiving model expects
+ExpectedWeights = dict[str, tuple[tuple[int, ...], torch.dtype]]
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+@dataclass
+class ReceiverStats:
+    syncs: int = 0
+    plan_parses: int = 0
+    buffer_allocations: int = 0
+    bytes_received: int = 0
+    last_sync_s: float = 0.0
+    last_version: int = -1
+    buffer_ptrs: list[int] = field(default_factory=list)
+
+
+class BucketReceiver:
+    """Receives every stage's buckets and calls `load_fn` with views of each bucket's tensors."""
+
+    def __init__(self, expected: ExpectedWeights | None = None):
+        self.expected = expected
+        self.transports: list[WeightTransport] = []
+        self.controls: list[ControlChannel] = []
+        self.plan: BucketPlan | None = None
+        self.stats = ReceiverStats()
+        self._buffers: list[torch.Tensor] = []
+
+    def join(self, groups: list[TransportConfig], rank: int, transport: str = "group") -> None:
+        """Join one group per PP stage (in stage order), as group rank `rank` (>= 1)."""
+        if rank < 1:
+            raise ValueError(f"rank: receivers are group ranks >= 1, got {rank}")
+        for cfg in groups:
+            t = make_transport(transport, cfg, rank)
+            t.connect()
+            self.transports.append(t)
+            self.controls.append(ControlChannel(t))
+
+    def _accept_plan(self, control: ControlChannel, header: SyncHeader) -> BucketPlan:
+        if header.plan_nbytes > 0:
+            text = control.move_plan(None, header.plan_nbytes)
+            plan = self.plan if self.plan is not None and self.plan.digest() == header.digest else None
+            complaint = None
+            if plan is None:
+                plan = BucketPlan.from_json(text)
+                self.stats.plan_parses += 1
+                if self.expected is not None:
+                    complaint = plan.mismatch_against(self.expected)
+            control.agree(complaint)
+            self.plan = plan
+        if self.plan is None or self.plan.digest() != header.digest:
+            raise PlanMismatchError(f"stage {header.stage}: sender's plan digest {header.digest[:12]} was "
+                                    "never shown to this receiver")
+        return self.plan
+
+    def _ensure_buffers(self, plan: BucketPlan, transport: WeightTransport) -> None:
+        nbytes = plan.max_bucket_nbytes() + TRAILER_BYTES
+        if self._buffers and self._buffers[0].numel() >= nbytes:
+            return
+        self._buffers = [transport.alloc_buffer(nbytes) for _ in range(2)]
+        self.stats.buffer_allocations += 2
+        self.stats.buffer_ptrs = [b.data_ptr() for b in self._buffers]
+
+    def receive(self, load_fn: LoadFn) -> int:
+        """Receive one full sync from every stage group; returns the weight version it carried."""
+        if not self.transports:
+            raise RuntimeError("receiver: call join() before receive()")
+        start = time.perf_counter()
+        versions = set()
+        for transport, control in zip(self.transports, self.controls):
+            versions.add(self._receive_stage(transport, control, load_fn))
+        if len(versions) != 1:
+            raise RuntimeError(f"weight sync: stage groups sent different versions {sorted(versions)}")
+        self.stats.syncs += 1
+        self.stats.last_version = versions.pop()
+        self.stats.last_sync_s = time.perf_counter() - start
+        return self.stats.last_version
+
+    def _receive_stage(self, transport: WeightTransport, control: ControlChannel, load_fn: LoadFn) -> int:
+        header = control.recv_header()
+        plan = self._accept_plan(control, header)
+        buckets = plan.stage_buckets(header.stage)
+        if len(buckets) != header.num_buckets:
+            raise PlanMismatchError(f"stage {header.stage}: header announces {header.num_buckets} buckets, "
+                                    f"plan has {len(buckets)}")
+        self._ensure_buffers(plan, transport)
+        timeout = transport.cfg.timeout_s
+        pending = transport.broadcast(self._buffers[0], buckets[0].nbytes + TRAILER_BYTES) if buckets else None
+        for i, bucket in enumerate(buckets):
+            pending.wait(timeout)
+            buf = self._buffers[i % 2]
+            if i + 1 < len(buckets):  # the other buffer's bucket is fully loaded by now
+                pending = transport.broadcast(self._buffers[(i + 1) % 2], buckets[i + 1].nbytes + TRAILER_BYTES)
+            # checked after posting the next receive: the check waits for the bytes on the host
+            check_trailer(buf, bucket.nbytes, header.version, bucket.index, plan.digest())
+            load_fn(self.views(plan, bucket, buf))
+            self.stats.bytes_received += bucket.nbytes
+        return header.version
+
+    @staticmethod
+    def views(plan: BucketPlan, bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) views into `buf`; copies when the bucket splits a group (see plan.py)."""
+        out = []
+        for i in bucket.slots:
+            s = plan.slots[i]
+            view = buf[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+            out.append((s.name, view.clone() if bucket.splits_group else view))
+        return out
+
+    def close(self) -> None:
+        for t in self.transports:
+            t.close()
+        self.transports, self.controls = [], []

@@ -1,0 +1,110 @@
+"""Transport over a stateless process group (gloo on CPU, the accelerator's backend elsewhere).
+
+The group is made from a TCP store at `cfg.host:cfg.port` without touching `torch.distributed`'s
+default group, so trainer ranks and rollout workers that belong to different jobs can meet. The
+backend comes from `opkd_mcore.platform` for this process's device: multi-node, every accelerator
+and CPU take the same path and differ only in the host address and the backend that platform names.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from opkd_mcore.platform import collective_backend, current_device
+from opkd_mcore.platform.stateless_group import destroy_stateless_group, new_stateless_group
+from opkd_mcore.weight_sync.transport import (
+    SENDER_RANK,
+    PendingTransfer,
+    TransportConfig,
+    WeightSyncTimeout,
+    WeightTransport,
+)
+
+logger = logging.getLogger(__name__)
+STATUS_BYTES = 1024
+
+
+class _GroupWork(PendingTransfer):
+    """On CPU, waits on the host with the timeout. On accelerators, orders the current stream after
+    the transfer without blocking the host: a host wait with a timeout polls in 1 ms sleeps, which
+    costs about that much per bucket. There the group's own timeout (set when it was made) aborts a
+    transfer whose peer is gone, and the error surfaces at the next host synchronisation."""
+
+    def __init__(self, work, what: str, host_wait: bool):
+        self.work, self.what, self.host_wait = work, what, host_wait
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            if self.host_wait:
+                self.work.wait(timedelta(seconds=timeout_s))
+            else:
+                self.work.wait()
+        except RuntimeError as err:  # backends report a dead or silent peer as RuntimeError subclasses
+            raise WeightSyncTimeout(f"{self.what}: a peer did not finish within {timeout_s:.0f} s "
+                                    f"or left the group ({type(err).__name__}: {err})") from err
+
+
+class StatelessGroupTransport(WeightTransport):
+    """Broadcasts over a stateless group; the sender is group rank 0."""
+
+    def __init__(self, cfg: TransportConfig, rank: int):
+        super().__init__(cfg, rank)
+        self.backend = collective_backend(cfg.device)
+        self.pg: dist.ProcessGroup | None = None
+
+    def connect(self) -> None:
+        if self.pg is not None:
+            return
+        try:
+            self.pg = new_stateless_group(self.cfg.host, self.cfg.port, self.rank, self.world_size,
+                                          backend=self.backend, timeout_s=self.cfg.timeout_s,
+                                          join_timeout_s=self._join_timeout_s())
+        except (RuntimeError, TimeoutError) as err:
+            raise WeightSyncTimeout(
+                f"weight-sync group {self.cfg.host}:{self.cfg.port} ({self.backend}, world_size="
+                f"{self.world_size}): rank {self.rank} could not join within {self._join_timeout_s():.0f} s; "
+                f"start both sides concurrently ({type(err).__name__}: {err})") from err
+        logger.info("joined weight-sync group %s:%d as rank %d/%d (%s)", self.cfg.host, self.cfg.port,
+                    self.rank, self.world_size, self.backend)
+
+    def _join_timeout_s(self) -> float:
+        return self.cfg.timeout_s if self.cfg.join_timeout_s is None else self.cfg.join_timeout_s
+
+    @property
+    def device(self) -> torch.device:
+        return current_device(self.cfg.device)
+
+    def _host_wait(self) -> bool:
+        return self.device.type == "cpu"
+
+    def _group(self) -> dist.ProcessGroup:
+        if self.pg is None:
+            raise RuntimeError("transport: call connect() before moving data")
+        return self.pg
+
+    def alloc_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def broadcast(self, buf: torch.Tensor, nbytes: int) -> PendingTransfer:
+        what = f"broadcast of {nbytes} bytes on {self.cfg.host}:{self.cfg.port}"
+        return _GroupWork(self._group().broadcast(buf[:nbytes], SENDER_RANK), what, self._host_wait())
+
+    def exchange_status(self, message: str) -> list[str]:
+        table = torch.zeros(self.world_size, STATUS_BYTES, dtype=torch.int32, device=self.device)
+        raw = message.encode()[:STATUS_BYTES]
+        if raw:
+            table[self.rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        _GroupWork(self._group().allreduce([table], opts), "status exchange", self._host_wait()).wait(
+            self.cfg.timeout_s)
+        rows = table.cpu().tolist()
+        return [bytes(v for v in row if v).decode(errors="replace") for row in rows]
+
+    def close(self) -> None:
+        if self.pg is not None:
+            destroy_stateless_group(self.pg)
+            self.pg = None

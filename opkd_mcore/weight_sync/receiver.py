@@ -1,0 +1,102 @@
+"""The vLLM side: a worker extension that receives weight buckets and loads them into the model.
+
+Pass `worker_extension_cls="opkd_mcore.weight_sync.receiver.VllmWeightReceiver"` to `vllm.LLM`;
+the driver then reaches these methods with `llm.collective_rpc(name, args=...)` (see
+`vllm_handle.py`, which also starts the calls concurrently with the trainer's side).
+
+Why not vLLM's native weight-transfer API: its engines are configured at engine start, its
+collective engine is tied to one GPU backend (nothing for CPU groups or other accelerators), and
+the API changed twice in a year. We use
+the lower layer it is built on, layerwise reload (`initialize_layerwise_reload` → `load_weights`
+per bucket → `finalize_layerwise_reload`), which also handles CPU backends that repack linear
+weights after loading (a plain `load_weights` into such an engine fails).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+
+import torch
+
+from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver, ExpectedWeights
+from opkd_mcore.weight_sync.transport import TransportConfig
+
+logger = logging.getLogger(__name__)
+
+
+def expected_hf_weights(hf_config, dtype: torch.dtype) -> ExpectedWeights:
+    """Names/shapes of the HF checkpoint tensors of an architecture, from its config alone (meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
+    expected, seen = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # tied weights travel once, under their first name
+            continue
+        seen.add(id(tensor))
+        expected[name] = (tuple(tensor.shape), tensor.dtype)
+    return expected
+
+
+def _layerwise_reload_api():
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError as err:  # the API moved between vLLM releases; keep the failure explicit
+        raise ImportError("weight sync needs vLLM's layerwise reload "
+                          "(vllm.model_executor.model_loader.reload.layerwise)") from err
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+class VllmWeightReceiver:
+    """Mixed into vLLM's worker class; `self` is the worker (model_runner, model_config, rank)."""
+
+    def opkd_join_weight_sync(self, groups: list[dict], rank_offset: int = 1, check_plan: bool = True) -> int:
+        """Join one weight-sync group per trainer PP stage; returns this worker's group rank."""
+        if getattr(self, "_opkd_receiver", None) is not None:
+            self._opkd_receiver.close()
+        expected = None
+        if check_plan:
+            expected = expected_hf_weights(self.model_config.hf_config, self.model_config.dtype)
+        self._opkd_receiver = BucketReceiver(expected)
+        self._opkd_weights_consistent = True
+        rank = rank_offset + self.rank
+        self._opkd_receiver.join([TransportConfig(**g) for g in groups], rank)
+        return rank
+
+    def opkd_receive_weights(self) -> int:
+        """Receive one full sync into the model; returns the weight version now loaded."""
+        receiver = self._opkd_receiver_or_raise()
+        initialize, finalize = _layerwise_reload_api()
+        model = self.model_runner.model
+        initialize(model)
+        ok = False
+        try:
+            version = receiver.receive(lambda named: model.load_weights(weights=named))
+            ok = True
+        finally:
+            # restores kernel tensors of layers that got nothing, so the engine stays usable
+            finalize(model, self.model_config)
+            self._opkd_weights_consistent = ok
+        logger.info("loaded weight version %d", version)
+        return version
+
+    def opkd_weight_sync_stats(self) -> dict:
+        stats = asdict(self._opkd_receiver_or_raise().stats)
+        stats["weights_consistent"] = self._opkd_weights_consistent
+        return stats
+
+    def opkd_close_weight_sync(self) -> None:
+        receiver = getattr(self, "_opkd_receiver", None)
+        if receiver is not None:
+            receiver.close()
+            self._opkd_receiver = None
+
+    def _opkd_receiver_or_raise(self) -> BucketReceiver:
+        receiver = getattr(self, "_opkd_receiver", None)
+        if receiver is None:
+            raise RuntimeError("weight sync: call opkd_join_weight_sync before receiving")
+        return receiver

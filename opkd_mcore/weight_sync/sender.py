@@ -1,0 +1,123 @@
+"""The sending side: one per pipeline stage, run by that stage's owner rank.
+
+`WeightSender(plan, transport, stage).sync(named_tensors, version)` walks the export stream of its
+stage, packs tensors into one of two reused flat buffers and broadcasts it. Packing bucket i+1
+overlaps the transfer of bucket i, and a rank never holds more than two buckets. The sender only
+reads the trainer's tensors: a failed sync leaves the trainer's weights untouched.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from opkd_mcore.weight_sync.plan import Bucket, BucketPlan, TensorSlot
+from opkd_mcore.weight_sync.protocol import TRAILER_BYTES, ControlChannel, plan_header, write_trailer
+from opkd_mcore.weight_sync.transport import PendingTransfer, WeightTransport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SenderStats:
+    """Counters that let callers (and tests) see what a sync did."""
+
+    syncs: int = 0
+    handshakes: int = 0  # times the plan was shown to the group (once per connected transport)
+    buffer_allocations: int = 0
+    bytes_sent: int = 0
+    last_sync_s: float = 0.0
+    buffer_ptrs: list[int] = field(default_factory=list)
+
+
+class WeightSender:
+    """Streams one PP stage's tensors through a connected transport (group rank 0)."""
+
+    def __init__(self, plan: BucketPlan, transport: WeightTransport, stage: int = 0):
+        if stage not in plan.stages:
+            raise ValueError(f"stage: plan has stages {plan.stages}, got {stage}")
+        if not transport.is_sender:
+            raise ValueError(f"transport: the sender must be group rank 0, got rank {transport.rank}")
+        self.plan, self.transport, self.stage = plan, transport, stage
+        self.buckets = plan.stage_buckets(stage)
+        self.stats = SenderStats()
+        self._control: ControlChannel | None = None
+        self._buffers: list[torch.Tensor] = []
+
+    def _ensure_ready(self) -> ControlChannel:
+        if self._control is None:
+            self.transport.connect()
+            self._control = ControlChannel(self.transport)
+        if not self._buffers:
+            nbytes = self.plan.max_bucket_nbytes(self.stage) + TRAILER_BYTES
+            self._buffers = [self.transport.alloc_buffer(nbytes) for _ in range(2)]
+            self.stats.buffer_allocations += 2
+            self.stats.buffer_ptrs = [b.data_ptr() for b in self._buffers]
+        return self._control
+
+    def _handshake(self, control: ControlChannel, version: int) -> None:
+        first = control.handshaken_digest != self.plan.digest()
+        header, text = plan_header(self.plan, version, self.stage, send_plan=first)
+        control.send_header(header)
+        if first:
+            control.move_plan(text, header.plan_nbytes)
+            control.agree(None)
+            control.handshaken_digest = self.plan.digest()
+            self.stats.handshakes += 1
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SenderStats:
+        """Send every tensor of this stage, stamped with `version`; returns the updated stats."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version: expected a non-negative int, got {version!r}")
+        start = time.perf_counter()
+        control = self._ensure_ready()
+        self._handshake(control, version)
+        stream = iter(named_tensors)
+        timeout = self.transport.cfg.timeout_s
+        pending: PendingTransfer | None = None
+        for i, bucket in enumerate(self.buckets):
+            buf = self._buffers[i % 2]
+            self._pack(bucket, buf, stream)  # overlaps the transfer of bucket i-1
+            write_trailer(buf, bucket.nbytes, version, bucket.index, self.plan.digest())
+            if pending is not None:
+                pending.wait(timeout)
+            pending = self.transport.broadcast(buf, bucket.nbytes + TRAILER_BYTES)
+            self.stats.bytes_sent += bucket.nbytes
+        if pending is not None:
+            pending.wait(timeout)
+        leftover = next(stream, None)
+        if leftover is not None:
+            raise ValueError(f"named_tensors: tensor {leftover[0]!r} is not in stage {self.stage}'s plan "
+                             "(stream longer than the plan)")
+        self.stats.syncs += 1
+        self.stats.last_sync_s = time.perf_counter() - start
+        logger.info("weight sync v%d stage %d: %d buckets, %.1f MB in %.3f s", version, self.stage,
+                    len(self.buckets), self.stats.bytes_sent / self.stats.syncs / 1e6, self.stats.last_sync_s)
+        return self.stats
+
+    def _pack(self, bucket: Bucket, buf: torch.Tensor, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        missing = {self.plan.slots[i].name for i in bucket.slots}
+        while missing:
+            item = next(stream, None)
+            if item is None:
+                raise ValueError(f"named_tensors: stream ended before tensor {sorted(missing)[0]!r} "
+                                 f"(bucket {bucket.index}, stage {self.stage})")
+            name, tensor = item
+            slot = self.plan.slot(name)
+            if slot is None or name not in missing:
+                where = "is not in the plan" if slot is None else \
+                    f"belongs to bucket {slot.bucket} (stage {slot.pp_stage}), expected one of bucket " \
+                    f"{bucket.index}: {sorted(missing)[:3]}"
+                raise ValueError(f"named_tensors: tensor {name!r} {where}")
+            _check_tensor(slot, tensor)
+            buf[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(tensor)
+            missing.discard(name)
+
+
+def _check_tensor(slot: TensorSlot, tensor: torch.Tensor) -> None:
+    if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+        raise ValueError(f"named_tensors: tensor {slot.name!r} has shape {tuple(tensor.shape)} dtype "
+                         f"{tensor.dtype}, the plan says {slot.describe()}")

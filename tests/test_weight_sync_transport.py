@@ -1,0 +1,273 @@
+"""Sender, transports and the engine-free receiver in real processes over gloo.
+
+Stand-in receivers (`BucketReceiver`, the same code the vLLM extension runs) let these tests use
+several receivers, two PP stage senders and a receiver that dies mid-sync, none of which needs an
+inference engine.
+"""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import time
+import traceback
+
+import pytest
+import torch
+
+from opkd_mcore.weight_sync import BucketPlan, TransportConfig, WeightSender, WeightSyncTimeout, make_transport
+from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
+from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
+from tests._dist import free_port
+
+BUCKET_BYTES = 8192
+
+
+def _stage_tensors(stage: int, version: int) -> list[tuple[str, torch.Tensor]]:
+    """A two-stage 'model' whose values depend on the version (float32, bfloat16 and int tensors)."""
+    g = torch.Generator().manual_seed(100 * stage + version)
+    out = []
+    for layer in range(3 * stage, 3 * stage + 3):
+        p = f"model.layers.{layer}."
+        out += [(p + "self_attn.q_proj.weight", torch.randn(24, 32, generator=g)),
+                (p + "mlp.down_proj.weight", torch.randn(32, 40, generator=g).to(torch.bfloat16)),
+                (p + "input_layernorm.weight", torch.randn(32, generator=g))]
+    if stage == 0:
+        out.insert(0, ("model.embed_tokens.weight", torch.randn(300, 32, generator=g)))  # > 1 bucket
+    else:
+        out.append(("lm_head.weight", torch.randn(50, 32, generator=g)))
+        out.append(("model.extra_ids", torch.arange(7, dtype=torch.int64) * version))
+    return out
+
+
+def _plan() -> BucketPlan:
+    from opkd_mcore.models import WeightMeta
+
+    meta = [WeightMeta(n, tuple(t.shape), t.dtype, stage) for stage in (0, 1) for n, t in _stage_tensors(stage, 0)]
+    return BucketPlan.from_metadata(meta, BUCKET_BYTES)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _sender_proc(stage, group, versions, queue, transport_name="group"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        transport = make_transport(transport_name, group, rank=0)
+        sender = WeightSender(_plan(), transport, stage)
+        for v in versions:
+            sender.sync(iter(_stage_tensors(stage, v)), v)
+        s = sender.stats
+        queue.put(("sender", stage, (s.handshakes, s.buffer_allocations, s.syncs)))
+        transport.close()
+    except BaseException:
+        queue.put(("error", stage, traceback.format_exc()))
+
+
+def _receiver_proc(rank, groups, num_syncs, die_after_buckets, queue, transport_name="group"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        receiver = BucketReceiver()
+        receiver.join(groups, rank, transport=transport_name)
+        loaded: list[dict] = []
+        counter = {"buckets": 0}
+
+        def load(named):
+            counter["buckets"] += 1
+            if counter["buckets"] > die_after_buckets:
+                os._exit(17)  # dies mid-sync, without a goodbye
+            loaded[-1].update({n: _digest(t) for n, t in named})
+
+        versions = []
+        for _ in range(num_syncs):
+            loaded.append({})
+            versions.append(receiver.receive(load))
+        s = receiver.stats
+        queue.put(("receiver", rank, (versions, loaded, s.plan_parses, s.buffer_allocations, s.buffer_ptrs)))
+        receiver.close()
+    except BaseException:
+        queue.put(("error", rank, traceback.format_exc()))
+
+
+def _start(target, *args):
+    proc = mp.get_context("spawn").Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+def _collect(queue, n, timeout):
+    out = []
+    for _ in range(n):
+        out.append(queue.get(timeout=timeout))
+    return out
+
+
+def test_two_stages_two_receivers_bitwise_and_reuse():
+    queue = mp.get_context("spawn").Queue()
+    groups = SyncGroupsConfig(base_port=free_port(), num_receivers=2, timeout_s=60).stage_groups(2)
+    assert [g.port for g in groups] == [groups[0].port, groups[0].port + 1]
+    versions = [3, 4]
+    procs = [_start(_sender_proc, s, groups[s], versions, queue) for s in (0, 1)]
+    procs += [_start(_receiver_proc, r, groups, len(versions), 10**6, queue) for r in (1, 2)]
+    results = _collect(queue, 4, timeout=120)
+    for p in procs:
+        p.join(30)
+    errors = [r for r in results if r[0] == "error"]
+    assert not errors, errors[0][2]
+    senders = {r[1]: r[2] for r in results if r[0] == "sender"}
+    assert senders == {0: (1, 2, 2), 1: (1, 2, 2)}  # one handshake, two buffers, two syncs each
+    for _, rank, (got_versions, loaded, plan_parses, allocations, ptrs) in [r for r in results if r[0] == "receiver"]:
+        assert got_versions == versions
+        assert plan_parses == 1 and allocations == 2 and len(set(ptrs)) == 2
+        for v, received in zip(versions, loaded):
+            expected = {n: _digest(t) for s in (0, 1) for n, t in _stage_tensors(s, v)}
+            assert received == expected, f"receiver {rank} version {v}"
+
+
+def test_colocated_ipc_transport_over_shared_memory():
+    """The colocated path with CPU shared memory standing in for device IPC handles."""
+    queue = mp.get_context("spawn").Queue()
+    group = TransportConfig(port=free_port(), world_size=2, timeout_s=60)
+    versions = [1, 2]
+    procs = [_start(_sender_proc, 0, group, versions, queue, "colocated_ipc"),
+             _start(_receiver_proc, 1, [group], len(versions), 10**6, queue, "colocated_ipc")]
+    results = {r[0]: r for r in _collect(queue, 2, timeout=120)}
+    for p in procs:
+        p.join(30)
+    assert "error" not in results, results["error"][2]
+    assert results["sender"][2] == (1, 2, 2)
+    got_versions, loaded, plan_parses, allocations, _ = results["receiver"][2]
+    assert got_versions == versions and plan_parses == 1 and allocations == 2
+    for v, received in zip(versions, loaded):
+        assert received == {n: _digest(t) for n, t in _stage_tensors(0, v)}
+
+
+def test_dead_receiver_fails_sender_within_timeout():
+    timeout_s = 20.0
+    port = free_port()
+    group = TransportConfig(port=port, world_size=2, timeout_s=timeout_s, join_timeout_s=300)
+    queue = mp.get_context("spawn").Queue()
+    receiver = _start(_receiver_proc, 1, [group], 1, 1, queue)  # dies after its first bucket
+    plan = BucketPlan.from_named_tensors(_stage_tensors(0, 0), BUCKET_BYTES)
+    assert len(plan.buckets) > 3
+    source = _stage_tensors(0, 5)
+    before = {n: t.clone() for n, t in source}
+    transport = make_transport("group", group, rank=0)
+    sender = WeightSender(plan, transport, 0)
+    transport.connect()
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match="did not finish within|left the group"):
+        sender.sync(iter(source), 5)
+    elapsed = time.monotonic() - start
+    receiver.join(30)
+    assert receiver.exitcode == 17
+    assert elapsed < timeout_s + 5, elapsed  # the transfer timeout at most, not a hang
+    assert all(torch.equal(t, before[n]) for n, t in source)  # the trainer keeps its weights
+    transport.close()
+
+
+def test_join_without_peer_times_out_with_clear_error():
+    group = TransportConfig(port=free_port(), world_size=2, timeout_s=3)
+    receiver = BucketReceiver()
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match=f"127.0.0.1:{group.port}.*could not join within 3 s"):
+        receiver.join([group], rank=1)
+    assert time.monotonic() - start < 30
+
+
+def test_stream_errors_name_the_tensor():
+    plan = BucketPlan.from_named_tensors(_stage_tensors(0, 0), BUCKET_BYTES)
+    group = TransportConfig(port=free_port(), world_size=1, timeout_s=10)  # no receivers needed
+    sender = WeightSender(plan, make_transport("group", group, rank=0), 0)
+    wrong_dtype = [(n, t.double()) if "q_proj" in n else (n, t) for n, t in _stage_tensors(0, 1)]
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.weight' has shape"):
+        sender.sync(iter(wrong_dtype), 1)
+    with pytest.raises(ValueError, match="'model.bogus' is not in the plan"):
+        sender.sync(iter([("model.bogus", torch.zeros(1))] + _stage_tensors(0, 1)), 1)
+    with pytest.raises(ValueError, match="stream ended before tensor"):
+        sender.sync(iter(_stage_tensors(0, 1)[:-2]), 1)
+    with pytest.raises(ValueError, match="version"):
+        sender.sync(iter(_stage_tensors(0, 1)), -1)
+    sender.transport.close()
+
+
+class FakeGroupFactoryForSelectionTest:
+    """Records what the transport asks for instead of building a group (no NPU/second node here)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, host, port, rank, world_size, *, backend, timeout_s, join_timeout_s):
+        self.calls.append(dict(host=host, port=port, rank=rank, world_size=world_size, backend=backend,
+                               timeout_s=timeout_s, join_timeout_s=join_timeout_s))
+        return object()
+
+
+@pytest.mark.parametrize("device,backend", [("npu", "hccl"), ("cuda", "nccl"), ("cpu", "gloo")])
+def test_backend_and_multinode_host_selection(monkeypatch, device, backend):
+    import opkd_mcore.weight_sync.group_transport as gt
+
+    fake = FakeGroupFactoryForSelectionTest()
+    monkeypatch.setattr(gt, "new_stateless_group", fake)
+    cfg = SyncGroupsConfig(host="10.1.2.3", base_port=31000, num_receivers=8, timeout_s=42,
+                           join_timeout_s=99).stage_groups(2)[1]
+    cfg.device = device
+    transport = make_transport("group", cfg, rank=0)
+    transport.connect()
+    assert fake.calls == [dict(host="10.1.2.3", port=31001, rank=0, world_size=9, backend=backend, timeout_s=42,
+                               join_timeout_s=99)]
+
+
+def test_unknown_transport_lists_available():
+    with pytest.raises(ValueError, match=r"unknown 'carrier_pigeon'; available: \['colocated_ipc', 'group'\]"):
+        make_transport("carrier_pigeon", TransportConfig(), 0)
+
+
+def _megatron_sender_with_dying_receiver(rank, world, hf_dir, sync_cfg):
+    """TP=2 Megatron job whose receiver dies: both TP ranks must fail (none hangs), weights intact."""
+    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync
+
+    init_parallel(ParallelConfig(tp=2, seed=3))
+    try:
+        chunks = build_model(load_hf_config(hf_dir))
+        load_hf_weights(chunks, hf_dir)
+        before = [p.detach().clone() for p in chunks[0].parameters()]
+        sync = MegatronWeightSync(chunks, SyncGroupsConfig(**sync_cfg))
+        sync.connect()
+        start = time.monotonic()
+        try:
+            sync.sync(version=1)
+            error = None
+        except (WeightSyncTimeout, RuntimeError) as err:
+            error = f"{type(err).__name__}: {err}"
+        elapsed = time.monotonic() - start
+        sync.close()
+        intact = all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters()))
+        return {"error": error, "elapsed": elapsed, "intact": intact, "owner": sync.sender is not None}
+    finally:
+        destroy_parallel()
+
+
+def test_megatron_tp_job_fails_cleanly_when_receiver_dies(tmp_path):
+    from dataclasses import asdict
+
+    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+    from tests._dist import run_distributed
+
+    hf_dir = save_tiny_hf_model(str(tmp_path / "tiny"), "qwen3", TinyModelShape(num_key_value_heads=2))
+    cfg = SyncGroupsConfig(base_port=free_port(), num_receivers=1, timeout_s=20, join_timeout_s=300,
+                           bucket_bytes=64 * 1024)
+    queue = mp.get_context("spawn").Queue()
+    receiver = _start(_receiver_proc, 1, cfg.stage_groups(1), 1, 1, queue)  # dies after one bucket
+    per_rank = run_distributed(_megatron_sender_with_dying_receiver, 2, hf_dir, asdict(cfg))
+    receiver.join(30)
+    assert receiver.exitcode == 17
+    owner, peer = sorted(per_rank, key=lambda r: not r["owner"])
+    assert owner["owner"] and not peer["owner"]
+    assert "WeightSyncTimeout" in owner["error"]
+    assert "sending rank" in peer["error"]  # the TP peer is told, instead of hanging in the export
+    assert all(r["intact"] for r in per_rank)  # the trainer keeps its weights
+    assert all(r["elapsed"] < cfg.timeout_s + 10 for r in per_rank)

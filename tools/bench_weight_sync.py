@@ -1,0 +1,188 @@
+"""Benchmark a full weight sync against a raw broadcast of the same bytes on the same group.
+
+Two processes: rank 0 holds a model of the given shape (HF-named tensors, on device 0) and sends it
+with `WeightSender`; rank 1 stands in for the rollout side (vLLM is not needed): a `BucketReceiver`
+that copies every received tensor into its own preallocated copy of the model, as `load_weights`
+would. In the same run and on the same group, a raw broadcast loop moves the same total bytes in
+messages of the same size from one reused buffer: the transport's ceiling. Prints a table, writes
+JSON with --json.
+
+    python tools/bench_weight_sync.py --shape qwen3-8b --dtype bf16 --iters 5
+    python tools/bench_weight_sync.py --shape tiny --device cpu        # smoke run on a laptop
+    opkd bench weight-sync --shape qwen3-8b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# name -> (hidden, layers, intermediate, vocab, heads, kv_heads, head_dim)
+SHAPES = {
+    "qwen3-8b": (4096, 36, 12288, 151936, 32, 8, 128),
+    "llama3-8b": (4096, 32, 14336, 128256, 32, 8, 128),
+    "qwen3-1.7b": (2048, 28, 6144, 151936, 16, 8, 128),
+    "tiny": (256, 4, 512, 1024, 4, 2, 64),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="tiny", help=f"model shape: {', '.join(SHAPES)} or H,L,I,V,heads,kv,hd")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weight dtype")
+    p.add_argument("--bucket-mb", type=int, default=1024, help="bucket size of the plan, MiB")
+    p.add_argument("--iters", type=int, default=3, help="timed repetitions of each measurement")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    p.add_argument("--device", default=None, help="cpu|cuda (default: auto)")
+    p.add_argument("--transport", default="group", help="registered transport name")
+    p.add_argument("--no-load", action="store_true", help="receiver skips copying into its model")
+    p.add_argument("--same-device", action="store_true", help="both processes on device 0 (colocated)")
+    p.add_argument("--json", default=None, help="write results here")
+    return p.parse_args(argv)
+
+
+def model_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    h, n_layers, inter, vocab, heads, kv, hd = SHAPES[shape] if shape in SHAPES else map(int, shape.split(","))
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (heads * hd, h)), (p + "self_attn.k_proj.weight", (kv * hd, h)),
+                (p + "self_attn.v_proj.weight", (kv * hd, h)), (p + "self_attn.o_proj.weight", (h, heads * hd)),
+                (p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
+                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def _make_tensors(shapes, dtype, device, fill: float):
+    return {n: torch.full(s, fill, dtype=dtype, device=device) for n, s in shapes}
+
+
+def _timed(fn, device, transport, iters, warmup) -> list[float]:
+    times = []
+    for i in range(warmup + iters):
+        transport.exchange_status("")  # both sides start together
+        _sync_device(device)
+        start = time.perf_counter()
+        fn(i)
+        _sync_device(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _raw_broadcast(transport, buf, total_bytes, timeout):
+    chunk = buf.numel()
+    sent, pending = 0, None
+    while sent < total_bytes:
+        n = min(chunk, total_bytes - sent)
+        if pending is not None:
+            pending.wait(timeout)
+        pending = transport.broadcast(buf, n)
+        sent += n
+    pending.wait(timeout)
+
+
+def worker(rank: int, args, port: int, queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "4")
+    from opkd_mcore.platform import current_device, device_type
+    from opkd_mcore.weight_sync import BucketPlan, TransportConfig, WeightSender, make_transport
+    from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
+
+    kind = device_type(args.device)
+    if kind == "cuda":
+        torch.cuda.set_device(0 if args.same_device else rank)
+    device = current_device(kind)
+    dtype, shapes = DTYPES[args.dtype], model_shapes(args.shape)
+    model = _make_tensors(shapes, dtype, device, 1.0 + rank)
+    plan = BucketPlan.from_named_tensors(model.items(), args.bucket_mb << 20)
+    cfg = TransportConfig(port=port, world_size=2, timeout_s=600, device=kind)
+    total = plan.total_bytes
+    result = {"rank": rank}
+    if rank == 0:
+        transport = make_transport(args.transport, cfg, 0)
+        sender = WeightSender(plan, transport)
+        transport.connect()
+        result["sync_s"] = _timed(lambda i: sender.sync(iter(model.items()), i), device, transport,
+                                  args.iters, args.warmup)
+        raw_buf = sender._buffers[0]
+    else:
+        receiver = BucketReceiver()
+        receiver.join([cfg], 1, transport=args.transport)
+        transport = receiver.transports[0]
+
+        def load(named):
+            if not args.no_load:
+                for name, t in named:
+                    model[name].copy_(t)
+        result["sync_s"] = _timed(lambda i: receiver.receive(load), device, transport, args.iters, args.warmup)
+        raw_buf = receiver._buffers[0]
+        result["verified"] = all(bool((t == 1.0).all()) for t in model.values())
+    raw_buf = raw_buf[:plan.max_bucket_nbytes()]
+    result["raw_s"] = _timed(lambda i: _raw_broadcast(transport, raw_buf, total, 600), device, transport,
+                             args.iters, args.warmup)
+    result.update(total_bytes=total, num_buckets=len(plan.buckets), device=str(device),
+                  device_name=torch.cuda.get_device_name(device) if kind == "cuda" else "cpu")
+    transport.close()
+    queue.put(result)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=worker, args=(r, args, port, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = sorted((queue.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
+    for p in procs:
+        p.join(60)
+    sender, receiver = results
+    gb = sender["total_bytes"] / 1e9
+    # a sync is done when the receiver has loaded the last bucket: time it there
+    sync_s, raw_s = _median(receiver["sync_s"]), _median(receiver["raw_s"])
+    row = dict(shape=args.shape, dtype=args.dtype, bucket_mb=args.bucket_mb, same_device=args.same_device, gbytes=round(gb, 3),
+               buckets=sender["num_buckets"], sync_s=round(sync_s, 4), sync_gbps=round(gb / sync_s, 1),
+               raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
+               receiver_verified=receiver["verified"], device=sender["device_name"], transport=args.transport,
+               load=not args.no_load, sync_all_s=receiver["sync_s"], raw_all_s=receiver["raw_s"],
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__)
+    print("| transport | shape | dtype | GB | buckets | sync s | sync GB/s | raw s | raw GB/s | sync/raw |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {args.transport} | {row['shape']} | {row['dtype']} | {row['gbytes']} | {row['buckets']} | {row['sync_s']} | "
+          f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} |")
+    print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(row, f, indent=1)
+    return 0 if receiver["verified"] or args.no_load else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
