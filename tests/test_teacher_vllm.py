@@ -1,0 +1,89 @@
+"""In-process vLLM teacher (real vLLM CPU engine) against a float64 `transformers` forward."""
+import math
+
+import pytest
+import torch
+
+from opkd_mcore.losses.teacher_outputs import PAD_ID, TopKTeacher
+from opkd_mcore.models.tiny import save_tiny_hf_model
+from opkd_mcore.teacher.base import MalformedTeacherOutputError, topk_from_ranked
+
+pytestmark = pytest.mark.vllm
+
+SEQUENCES = [[1, 4, 5, 6, 7, 8, 9], [1, 10, 11], [1, 3, 3, 3, 12, 4, 5, 6, 2]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_hf_model(str(tmp_path_factory.mktemp("teacher") / "tiny"), seed=5, init_std=0.1)
+
+
+@pytest.fixture(scope="module")
+def tempered_teacher(model_dir):
+    from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
+
+    # temperature != 1 builds the engine with unlimited logprobs; the k-only teacher reuses it
+    return VllmTeacher(model_dir, VllmTeacherConfig(k=8, temperature=0.6, dtype="float32",
+                                                    max_model_len=64))
+
+
+def reference_logprobs(model_dir, seq, temperature=1.0):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, :-1]
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def assert_same_topk(got: TopKTeacher, ref_logprobs: torch.Tensor, k: int, atol=2e-3):
+    """Same top-k as the reference up to near-ties: values match the reference's sorted top-k,
+    and the reference gives each returned id the returned logprob."""
+    ref_vals, _ = ref_logprobs.topk(k, dim=-1)
+    assert got.ids.shape == (ref_logprobs.shape[0], k)
+    torch.testing.assert_close(got.logprobs.double(), ref_vals, atol=atol, rtol=0)
+    torch.testing.assert_close(ref_logprobs.gather(1, got.ids), got.logprobs.double(), atol=atol, rtol=0)
+    assert (got.ids != PAD_ID).all()
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_topk_rows_match_transformers(tempered_teacher, model_dir, k):
+    from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
+
+    teacher = VllmTeacher(tempered_teacher.llm, VllmTeacherConfig(k=k))
+    scored = teacher.score(SEQUENCES)
+    assert len(scored) == len(SEQUENCES)
+    for seq, rows in zip(SEQUENCES, scored):
+        assert rows.ids.shape[0] == len(seq) - 1  # row t scores token t+1
+        assert_same_topk(rows, reference_logprobs(model_dir, seq), k)
+
+
+def test_temperature_is_honoured_exactly(tempered_teacher, model_dir):
+    scored = tempered_teacher.score(SEQUENCES[:2])
+    for seq, rows in zip(SEQUENCES, scored):
+        assert_same_topk(rows, reference_logprobs(model_dir, seq, temperature=0.6), 8)
+
+
+def test_short_sequence_is_rejected_naming_it(tempered_teacher):
+    with pytest.raises(ValueError, match=r"sequences\[1\].*at least 2 tokens"):
+        tempered_teacher.score([[1, 2, 3], [4]])
+
+
+def test_topk_rows_drop_entries_beyond_k_and_pad_small_vocab():
+    ranked = [[(5, -2.5, 2), (3, -0.1, 1), (9, -7.0, 40)]]  # id 9: the actual token, beyond top-k
+    out = topk_from_ranked(ranked, 2, request="req-1", vocab_size=16)
+    assert out.ids.tolist() == [[3, 5]]
+    padded = topk_from_ranked([[(1, -0.1, 1), (0, -2.4, 2)]], 4, request="req-1", vocab_size=2)
+    assert padded.ids.tolist() == [[1, 0, PAD_ID, PAD_ID]]
+    assert padded.logprobs[0, 2:].tolist() == [-math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("ranked, match", [
+    ([[(3, float("nan"), 1), (4, -1.0, 2)]], "NaN"),
+    ([[(3, -0.5, 1)]], "expected 2 top-k entries, got 1"),
+    ([[(3, -0.5, 1), (3, -0.7, 2)]], "duplicate"),
+    ([[(3, -0.5, 1), (99, -0.7, 2)]], "outside"),
+])
+def test_malformed_rows_name_the_request(ranked, match):
+    with pytest.raises(MalformedTeacherOutputError, match=rf"req-7, position 0: .*{match}"):
+        topk_from_ranked(ranked, 2, request="req-7", vocab_size=16)
