@@ -1,0 +1,168 @@
+"""YAML + dotted overrides -> typed `TrainConfig`, with the key path in every error.
+
+    cfg = load_config("configs/demo_cpu.yaml", ["loss.divergence=jsd", "loss.beta=0.3"])
+
+Overrides are `path=value`; the value is parsed as YAML (`3`, `0.3`, `null`, `[a, b]`, `true`).
+A path names an existing key (no Hydra-style `+key`); list items are addressed by index
+(`teacher.teachers.0.model=/ckpt`). Unknown keys and wrong types raise `ConfigError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import yaml
+
+from opkd_mcore.config.schema import TrainConfig
+
+
+class ConfigError(ValueError):
+    """A config value or combination that cannot run; the message starts with the key path."""
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp, path: str):
+    """Check/convert one YAML value against a schema annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got null")
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, path)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: expected {tp}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, f"{path}.{i}") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+        _, val_tp = typing.get_args(tp)
+        return {str(k): _convert(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp in (bool, str):
+        if not isinstance(value, tp):
+            raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported schema type {tp!r}")
+
+
+def from_dict(cls, data: Any, path: str = ""):
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise `ConfigError`."""
+    where = path or "<root>"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in hints or key not in names:
+            raise ConfigError(f"{key_path}: unknown key (known keys of {where}: {', '.join(names)})")
+        kwargs[key] = _convert(value, hints[key], key_path)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict of a config (YAML-safe)."""
+    return dataclasses.asdict(cfg)
+
+
+def _set_path(tree: dict, path: str, value: Any, defaults: dict) -> None:
+    """Set `a.b.0.c` in a nested dict/list tree; every step must exist in the schema defaults."""
+    parts = path.split(".")
+    node, ref = tree, defaults
+    for i, part in enumerate(parts):
+        here = ".".join(parts[: i + 1])
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"{here}: list index out of range (the list has {len(node)} items)")
+            idx = int(part)
+            if last:
+                node[idx] = value
+                return
+            ref = ref[idx] if isinstance(ref, list) and idx < len(ref) else ref[0] if ref else {}
+            node = node[idx]
+            continue
+        if not isinstance(node, dict) or not isinstance(ref, dict) or part not in ref:
+            known = ", ".join(ref) if isinstance(ref, dict) else "none (not a section)"
+            raise ConfigError(f"{here}: unknown key in override {path}= (known here: {known})")
+        if last:
+            node[part] = value
+            return
+        node.setdefault(part, _copy(ref[part]))
+        if node[part] is None:
+            node[part] = _copy(ref[part])
+        node, ref = node[part], ref[part]
+
+
+def _copy(x):
+    return yaml.safe_load(yaml.safe_dump(x))
+
+
+def apply_overrides(tree: dict, overrides: list[str]) -> dict:
+    """Apply `key.path=value` strings to a nested dict (validated against the schema)."""
+    defaults = to_dict(TrainConfig())
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        path, raw = item.split("=", 1)
+        path = path.strip()
+        if path.startswith("+"):
+            raise ConfigError(f"{path}: '+key' overrides are not supported; name an existing key")
+        _set_path(tree, path, yaml.safe_load(raw) if raw.strip() else "", defaults)
+    return tree
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, *,
+                validate: bool = True, check_files: bool = True) -> TrainConfig:
+    """Read a YAML file (or the defaults), apply overrides, type-check and validate."""
+    tree: dict = {}
+    if path is not None:
+        with open(path) as f:
+            tree = yaml.safe_load(f) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+    tree = apply_overrides(tree, list(overrides or []))
+    cfg = from_dict(TrainConfig, tree)
+    if validate:
+        from opkd_mcore.config.validate import validate_config
+
+        validate_config(cfg, check_files=check_files)
+    return cfg
+
+
+def dump_config(cfg, path: str | None = None) -> str:
+    """The resolved config as YAML text; written to `path` when given."""
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(text)
+    return text

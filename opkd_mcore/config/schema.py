@@ -1,0 +1,183 @@
+"""Typed schema of one distillation run: one dataclass per component, one field per option.
+
+Every default works on a CPU with a tiny model; the real-scale recipes in `configs/` override
+what they need. Types here are what the loader checks (`opkd_mcore.config.loader`), so keep the
+annotations to plain types: bool, int, float, str, `X | None`, `list[X]`, `dict[str, X]` and
+nested dataclasses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The optimizer section is the engine's own config (one definition, no mapping layer).
+from opkd_mcore.train.optim import OptimConfig
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+SUPPORTS = (None, "teacher", "union")
+MASSES = ("renorm", "tail", "raw")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_FORMS = ("logit", "policy_gradient")
+KL_ESTIMATORS = ("k1", "k3")
+LOSS_IMPLS = ("auto", "reference", "fused")
+TEACHER_BACKENDS = ("vllm", "remote", "hf", "megatron")
+TOPK_BACKENDS = ("vllm", "remote", "hf")
+ROUTINGS = ("data_source",)
+SCHEDULES = ("sync",)
+DTYPES = ("float32", "bfloat16", "float16")
+TASKS = ("addition",)
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    """The student: where it comes from and how it is held in Megatron."""
+
+    student: str = ""  # HF checkpoint directory of the student (initial weights, tokenizer)
+    params_dtype: str = "float32"  # Megatron parameter dtype: float32 | bfloat16 | float16
+
+
+@dataclass(kw_only=True)
+class ParallelSection:
+    """How the student is split over the ranks, and the batch shapes of one optimizer step."""
+
+    tp: int = 1  # tensor parallel size (must divide attention and KV heads)
+    pp: int = 1  # pipeline parallel size (must divide the layer count)
+    vpp: int | None = None  # virtual pipeline chunks per stage; None = off (needs pp > 1)
+    cp: int = 1  # context parallel size
+    ep: int = 1  # expert parallel size (MoE only)
+    micro_batch_size: int = 1  # sequences per packed micro-batch on each DP rank
+    global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
+    world_size: int | None = None  # ranks the run expects; None = the launcher's WORLD_SIZE (or 1)
+
+
+@dataclass(kw_only=True)
+class LossSection:
+    """The objective. Field names match `kd_loss` / `policy_gradient_kd_loss` keywords."""
+
+    form: str = "logit"  # logit: kd_loss on distributions | policy_gradient: sampled-token KL as reward
+    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd
+    beta: float = 0.5  # JSD interpolation; 0 and 1 are the unscaled forward / reverse KL
+    temperature: float = 1.0  # softmax temperature of student (and dense teacher) logits
+    support: str | None = None  # None: full vocab (dense teacher) | teacher | union (dense only)
+    k: int | None = None  # support size for a dense teacher's top-k / union support
+    mass: str = "renorm"  # renorm | tail | raw (forward KL only)
+    coverage_coef: float = 0.0  # TCAD coverage regulariser weight (-log of student mass on S)
+    impl: str = "auto"  # auto | reference | fused loss kernels
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    confidence_alpha: float = 0.0  # TCAD teacher-confidence sequence weights; 0 = uniform
+    kl_estimator: str = "k3"  # policy-gradient form: k1 | k3 sampled-token KL estimator
+    pg_coef: float = 1.0  # policy-gradient form: advantage = -pg_coef * sampled KL
+    clip_eps: float = 0.2  # policy-gradient form: PPO clip range
+    task_reward_coef: float = 0.0  # policy-gradient form: weight of task-reward (GRPO) advantages
+
+
+@dataclass(kw_only=True)
+class RolloutSection:
+    """Student sampling with vLLM (colocated with the trainer)."""
+
+    prompts_per_step: int = 4  # prompts drawn from the dataset per step
+    n: int = 2  # samples per prompt (a prompt's group)
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = -1  # -1 = off
+    max_new_tokens: int = 16  # response length cap
+    max_model_len: int = 256  # vLLM context length
+    gpu_memory_utilization: float = 0.3  # vLLM share of accelerator memory (ignored on CPU)
+    enforce_eager: bool = True  # no graph capture: faster start, needed on CPU
+    seed: int = 0  # vLLM sampling seed (offset by step so every step differs)
+
+
+@dataclass(kw_only=True)
+class TeacherEndpoint:
+    """One teacher: a backend and where it lives."""
+
+    name: str = "teacher"  # label used in metrics and routing
+    backend: str = "vllm"  # vllm (in-process) | remote (OpenAI server) | hf (transformers): top-k; megatron: dense
+    model: str = ""  # HF checkpoint directory (vllm, megatron)
+    url: str | None = None  # base URL of the OpenAI server (remote)
+    top_k: int = 16  # logprobs per position for top-k backends
+    data_sources: list[str] = field(default_factory=list)  # routed here; empty = default teacher
+    replica_urls: list[str] = field(default_factory=list)  # more servers of this teacher (remote),
+    # load-balanced: each chunk of sequences goes to the least-loaded reachable replica
+
+
+@dataclass(kw_only=True)
+class TeacherSection:
+    """Teachers and how samples are routed to them."""
+
+    teachers: list[TeacherEndpoint] = field(default_factory=lambda: [TeacherEndpoint()])
+    routing: str = "data_source"  # a sample goes to the teacher listing its data_source, else the default
+
+
+@dataclass(kw_only=True)
+class WeightSyncSection:
+    """Student -> vLLM weight transfer after each optimizer step."""
+
+    bucket_mb: int = 64  # bucket size of the transfer plan
+    transport: str = "group"  # a transport registered in weight_sync.transport.TRANSPORTS
+    every_steps: int = 1  # sync every N steps (1 = fully on-policy)
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    """Where prompts come from."""
+
+    train_path: str | None = None  # jsonl/parquet of prompts; None with task set = synthetic
+    eval_path: str | None = None  # held-out prompts with answers (optional)
+    prompt_key: str = "prompt"  # column holding the prompt text
+    answer_key: str = "answer"  # column holding the exact answer (for eval / task reward)
+    data_source_key: str = "data_source"  # column used for teacher routing
+    task: str | None = "addition"  # synthetic task when train_path is None
+    task_digits: int = 2  # synthetic addition: max digits per operand
+    num_train: int = 2000  # synthetic: training prompts
+    num_eval: int = 64  # synthetic: held-out prompts
+    shuffle: bool = True  # reshuffle each epoch (seeded, resumable)
+    seed: int = 0  # data order seed
+
+
+@dataclass(kw_only=True)
+class LoggingSection:
+    """Where metrics go."""
+
+    jsonl: bool = True  # write <output_dir>/metrics.jsonl
+    progress_bar: bool = True  # tqdm progress bar on rank 0
+    console_every: int = 1  # print a metrics line every N steps (0 = never)
+    tensorboard: bool = False  # write TensorBoard events (needs tensorboard installed)
+    wandb_project: str | None = None  # log to Weights & Biases (needs wandb installed)
+
+
+@dataclass(kw_only=True)
+class CheckpointSection:
+    """Checkpoints and export."""
+
+    save_every: int = 0  # save every N steps (0 = only at the end)
+    keep_last: int = 2  # checkpoints kept on disk
+    save_at_end: bool = True  # save a checkpoint after the last step
+    export_hf_at_end: bool = True  # write <output_dir>/student_hf at the end
+
+
+@dataclass(kw_only=True)
+class RunSection:
+    """The run as a whole."""
+
+    output_dir: str = "runs/opkd"  # run directory: config.yaml, metrics.jsonl, checkpoints, student_hf
+    steps: int = 10  # optimizer steps
+    seed: int = 1234  # global seed (model init RNG, dropout)
+    schedule: str = "sync"  # sync (in order); overlapping schedules come with the Ray controller
+    device: str | None = None  # one of opkd_mcore.platform.DEVICE_TYPES; None = auto-detect
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A whole run. Sections are independent: each component reads only its own."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    loss: LossSection = field(default_factory=LossSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataSection = field(default_factory=DataSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    run: RunSection = field(default_factory=RunSection)

@@ -1,0 +1,274 @@
+"""`MegatronEngine`: forward/backward of Megatron GPTModel chunks with a caller-supplied loss.
+
+The engine owns the parallel training mechanics and nothing about distillation:
+
+* Megatron DDP around every model chunk (gradients summed over DP, because the caller's loss is
+  already normalised by the *global* token count), optionally the distributed optimizer;
+* `get_forward_backward_func()` for the schedule, so PP and interleaved VPP work unchanged; the
+  model is called without labels and `loss_fn` receives this rank's vocab-parallel logits
+  `[T, V_local]` (Megatron's built-in cross entropy is never used);
+* clipping + optimizer step + LR schedule (`optim.clip_and_step`, correct on CPU too);
+* forward-only mode (`optim=None`) for a Megatron teacher or evaluation;
+* checkpoints of model + optimizer + scheduler through `megatron.core.dist_checkpointing`
+  (`train/engine_checkpoint.py`).
+
+Precision: whatever the chunks were built with (`build_model` picks fp32 on CPU, bf16 on accelerators);
+with bf16 the optimizer keeps fp32 main params.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from opkd_mcore import platform
+from opkd_mcore.train.batch import PackedBatch, pad_for_pipeline
+from opkd_mcore.train.optim import OptimConfig, build_optimizer, clip_and_step, ddp_config
+
+logger = logging.getLogger(__name__)
+
+# Logit put on padded vocabulary columns: exp() underflows to exactly 0 in every float dtype, yet it
+# stays finite after division by any sane temperature, so 0 * log-terms never become NaN.
+PADDED_VOCAB_LOGIT = -1.0e4
+
+LossFn = Callable[[torch.Tensor, PackedBatch], "tuple[torch.Tensor, dict[str, torch.Tensor | float]]"]
+
+
+def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
+    """Megatron's grad finalisation (DP reduce, tied-embedding and layernorm reduces) without its
+    division by the token count: the caller's loss is normalised already."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model, num_tokens=None, **kwargs)
+
+
+class MegatronEngine:
+    """Train (or only run) the GPTModel chunks of this rank (one per VPP chunk)."""
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], optim: OptimConfig | None = None, *,
+                 mask_vocab_padding: bool = True):
+        from megatron.core.utils import get_model_config
+
+        if not model_chunks:
+            raise ValueError("model_chunks: expected at least one model chunk, got none")
+        self.optim_config = optim
+        self.config = get_model_config(model_chunks[0])
+        self.on_cpu = platform.is_cpu()
+        self.device = platform.current_device()
+        self.params_dtype = self.config.params_dtype
+        self.vocab_size, self.padded_vocab_size = _vocab_sizes(model_chunks, mask_vocab_padding)
+        self.optimizer = self.scheduler = None
+        self.num_steps = 0
+        # Pipeline stages exchange activations of one fixed shape: every micro-batch of a step is
+        # padded to the longest (Megatron's shape exchange for variable lengths deadlocks in the
+        # interleaved schedule and costs a round trip per micro-batch in the others).
+        self.config.variable_seq_lengths = False
+        self.pipelined = self.config.pipeline_model_parallel_size > 1
+        if optim is None:
+            self.model = list(model_chunks)
+            for chunk in self.model:
+                chunk.eval()
+                chunk.requires_grad_(False)
+        else:
+            optim.validate()
+            self.model = self._wrap_ddp(model_chunks, optim)
+            self.optimizer, self.scheduler = build_optimizer(self.model, optim, self.params_dtype)
+
+    # ------------------------------------------------------------------ setup
+    def _wrap_ddp(self, model_chunks, optim: OptimConfig) -> list:
+        from megatron.core.distributed import DistributedDataParallel
+
+        # Megatron reads this when DDP is built: sum (not average) gradients over DP, and hand the
+        # schedule's 3-tuple losses through unscaled.
+        self.config.calculate_per_token_loss = True
+        self.config.finalize_model_grads_func = _finalize_grads_without_token_scaling
+        cfg = ddp_config(optim)
+        wrapped = [DistributedDataParallel(self.config, cfg, chunk, disable_bucketing=i > 0)
+                   for i, chunk in enumerate(model_chunks)]
+        for chunk in wrapped:
+            chunk.broadcast_params()  # every DP replica starts from the same weights
+        if optim.overlap_grad_reduce:
+            no_sync = [chunk.no_sync for chunk in wrapped]
+            self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        return wrapped
+
+    @property
+    def is_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+    @property
+    def lr(self) -> float:
+        if self.optimizer is None:
+            return 0.0
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------ forward step
+    def _mask_padding(self, logits_local: torch.Tensor) -> torch.Tensor:
+        """Padded vocabulary columns (only on the last TP shards) get probability 0."""
+        if self.vocab_size is None or self.vocab_size == self.padded_vocab_size:
+            return logits_local
+        from megatron.core import parallel_state as ps
+
+        width = logits_local.shape[-1]
+        start = ps.get_tensor_model_parallel_rank() * width
+        real = self.vocab_size - start
+        if real >= width:
+            return logits_local
+        column = torch.arange(width, device=logits_local.device)
+        return logits_local.masked_fill(column >= max(real, 0), PADDED_VOCAB_LOGIT)
+
+    def _run_model(self, model, batch: PackedBatch) -> torch.Tensor:
+        return model(batch.tokens.unsqueeze(0), batch.position_ids.unsqueeze(0), attention_mask=None,
+                     packed_seq_params=batch.packed_seq_params())
+
+    def _forward_step_func(self, loss_fn: LossFn | None):
+        """Megatron's forward_step_func: returns (output, loss closure) for one micro-batch."""
+        def forward_step(data_iterator, model):
+            batch, model_input = next(data_iterator)
+            batch, model_input = batch.to(self.device), model_input.to(self.device)
+            output = self._run_model(model, model_input)
+
+            def loss_closure(output_tensor, non_loss_data: bool = False):
+                # [1, T_padded, V_local] -> [T, V_local]: the pipeline padding is cut off here
+                logits = self._mask_padding(output_tensor[0, :batch.num_tokens])
+                if non_loss_data:
+                    return logits.detach()
+                loss, metrics = loss_fn(logits, batch)
+                if loss.dim() != 0:
+                    raise ValueError(f"loss_fn: expected a scalar loss, got shape {tuple(loss.shape)}")
+                reported = {"train/loss": loss.detach().float()}
+                reported.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
+                # the token count is a placeholder: the caller normalised already (see finalize above)
+                return loss, torch.ones((), dtype=torch.int, device=loss.device), reported
+
+            return output, loss_closure
+        return forward_step
+
+    def _run_schedule(self, micro_batches: list[PackedBatch], loss_fn, forward_only: bool,
+                      collect_logits: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not micro_batches:
+            raise ValueError("micro_batches: expected at least one PackedBatch, got none")
+        for i, mb in enumerate(micro_batches):
+            if not isinstance(mb, PackedBatch):
+                raise ValueError(f"micro_batches[{i}]: expected a PackedBatch, got {type(mb).__name__}")
+        pp = self.config.pipeline_model_parallel_size
+        if len(self.model) > 1 and len(micro_batches) < pp:
+            raise ValueError(f"micro_batches: the interleaved pipeline ({len(self.model)} chunks per stage) "
+                             f"needs at least pp={pp} micro-batches, got {len(micro_batches)}")
+        seq_length = max(mb.num_tokens for mb in micro_batches)
+        inputs = [pad_for_pipeline(mb, seq_length) if self.pipelined else mb for mb in micro_batches]
+        # one iterator per VPP chunk: every chunk reads the same micro-batches in the same order
+        iterators = [iter(list(zip(micro_batches, inputs))) for _ in self.model]
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step_func(loss_fn),
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length, micro_batch_size=1,
+            forward_only=forward_only, collect_non_loss_data=collect_logits,
+        )
+
+    # ------------------------------------------------------------------ public
+    def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
+        """Forward + backward over `micro_batches`, then clip, step and advance the LR schedule.
+
+        `loss_fn(logits_local [T, V_local], batch) -> (loss, metrics)`: `loss` is a scalar already
+        normalised by the global token count (so gradients are summed over micro-batches and DP);
+        `metrics` values must be additive the same way (they are summed over micro-batches and DP).
+        Returns the same metrics dict on every rank: `train/loss`, the loss_fn metrics,
+        `train/grad_norm`, `train/lr`, `train/update_applied`.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_step: this engine is forward-only (built with optim=None)")
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.lr
+        per_micro_batch = self._run_schedule(micro_batches, loss_fn, forward_only=False,
+                                             collect_logits=False)
+        applied, grad_norm = clip_and_step(self.optimizer, self.optim_config.clip_grad, self.on_cpu)
+        if applied:
+            self.scheduler.step(increment=1)
+            self.num_steps += 1
+        metrics = self._reduce_metrics(per_micro_batch)
+        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr,
+                        "train/update_applied": float(applied)})
+        return metrics
+
+    @torch.no_grad()
+    def forward_logits(self, batch: PackedBatch) -> torch.Tensor | None:
+        """Vocab-parallel logits `[T, V_local]` of one packed batch on the last PP stage, else None."""
+        return self.forward_logits_many([batch])[0]
+
+    @torch.no_grad()
+    def forward_logits_many(self, batches: list[PackedBatch]) -> list[torch.Tensor | None]:
+        """`forward_logits` for several batches in one pipeline pass (one micro-batch each)."""
+        was_training = [chunk.training for chunk in self.model]
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            outputs = self._run_schedule(batches, None, forward_only=True, collect_logits=True)
+        finally:
+            for chunk, mode in zip(self.model, was_training):
+                chunk.train(mode)
+        if not self.is_last_stage:
+            return [None] * len(batches)
+        return list(outputs)
+
+    def _reduce_metrics(self, per_micro_batch: list[dict]) -> dict[str, float]:
+        """Sum micro-batch metrics, sum over DP, and hand the result from the last PP stage to all."""
+        from megatron.core import parallel_state as ps
+
+        names, values = [], None
+        if self.is_last_stage and per_micro_batch:
+            names = sorted(per_micro_batch[0])
+            values = torch.stack([sum(mb[n] for mb in per_micro_batch) for n in names]).to(self.device)
+            dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+            if dist.get_world_size(dp_group) > 1:
+                dist.all_reduce(values, group=dp_group)
+        pp_group = ps.get_pipeline_model_parallel_group()
+        if dist.get_world_size(pp_group) > 1:
+            box = [(names, None if values is None else values.cpu().tolist())]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=pp_group)
+            names, flat = box[0]
+            return dict(zip(names, flat))
+        return dict(zip(names, values.cpu().tolist())) if values is not None else {}
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        """Model + optimizer + scheduler state as a Megatron distributed checkpoint (collective)."""
+        from opkd_mcore.train.engine_checkpoint import save_engine_checkpoint
+
+        save_engine_checkpoint(self, ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        """Restore what `save_checkpoint` wrote; any TP/PP layout may load it (collective)."""
+        from opkd_mcore.train.engine_checkpoint import load_engine_checkpoint
+
+        load_engine_checkpoint(self, ckpt_dir)
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        for chunk in self.model:
+            yield from chunk.parameters()
+
+
+def _vocab_sizes(model_chunks, mask_vocab_padding: bool) -> tuple[int | None, int | None]:
+    """(real, padded) vocabulary sizes from the chunks' `ModelLayout`; (None, None) if unknown."""
+    if not mask_vocab_padding:
+        return None, None
+    from opkd_mcore.models.builder import layout_of
+
+    try:
+        layout = layout_of(model_chunks)
+    except ValueError:
+        logger.warning("model_chunks carry no ModelLayout: padded vocabulary columns are not masked")
+        return None, None
+    return layout.vocab_size, layout.padded_vocab_size

@@ -1,0 +1,103 @@
+"""The in-order schedule: rollout -> teacher -> train -> weight sync, one step after another.
+
+`DistillationRun` holds the parts of a run (built by `entry.py` or the demo) and `step()` runs
+the four stages of `train/stages.py` in order. An overlapping controller replaces `step()` and
+reuses the stages.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from opkd_mcore.config.schema import TrainConfig
+from opkd_mcore.data import PromptDataset, PromptSampler, encode_prompt
+from opkd_mcore.losses import TopKTeacher
+from opkd_mcore.rollout import SamplingConfig
+from opkd_mcore.train import stages
+from opkd_mcore.train.checkpoint import TrainerState
+from opkd_mcore.train.components import is_rank0, route_data
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DistillationRun:
+    """Everything one step needs. `rollout` / `teacher` are None on ranks other than 0."""
+
+    cfg: TrainConfig
+    engine: object  # MegatronEngine of the student
+    chunks: list  # the student's Megatron chunks on this rank
+    rollout: object | None  # VllmRollout
+    teacher: object | None  # Teacher or TeacherRouter
+    syncer: object  # components.WeightSyncer
+    tokenizer: object
+    dataset: PromptDataset
+    sampler: PromptSampler
+    shard: stages.ShardLayout
+    tp_group: object = None
+    state: TrainerState = field(default_factory=TrainerState)
+
+    def prompts(self) -> stages.PromptBatch:
+        """The next prompts (same on every rank: the sampler is seeded and stepped everywhere)."""
+        indices = self.sampler.next_batch()
+        ds = self.dataset
+        data = [route_data(self.cfg, {"data_source": ds.data_source(i), "answer": ds.answer(i),
+                                      "prompt": ds.prompt(i)}) for i in indices]
+        ids = [encode_prompt(self.tokenizer, ds.prompt(i)) for i in indices]
+        return stages.PromptBatch(indices=indices, prompt_ids=ids, data=data)
+
+    def sampling(self) -> SamplingConfig:
+        ro = self.cfg.rollout
+        return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                              max_new_tokens=ro.max_new_tokens, seed=ro.seed * 100_003 + self.state.step)
+
+    def step(self) -> dict[str, float]:
+        """One full step; returns its metrics (same on every rank)."""
+        start = time.perf_counter()
+        prompts = self.prompts()
+        scored = None
+        if is_rank0():
+            rolled = stages.rollout_stage(self.rollout, prompts, self.sampling())
+            scored = stages.teacher_stage(self.teacher, rolled)
+            timings = {"timing/rollout": rolled.seconds, "timing/teacher": scored.seconds}
+        scored, timings = stages.share_from_rank0((scored, timings if is_rank0() else None))
+        result = stages.train_stage(self.engine, scored, self.cfg.loss, self.cfg.parallel, self.shard,
+                                    self.tp_group)
+        self.state.step += 1
+        sync_s = 0.0
+        if self.state.step % self.cfg.weight_sync.every_steps == 0:
+            sync_s = stages.weight_sync_stage(self.syncer, self.state.weight_version + 1)
+            self.state.weight_version += 1
+        self.state.sampler = self.sampler.state_dict()
+        step_s = time.perf_counter() - start
+        metrics = {**result.metrics, **timings, **rollout_metrics(scored)}
+        metrics.update({"timing/train": result.seconds, "timing/weight_sync": sync_s,
+                        "timing/step": step_s, "rollout/weight_version": float(self.state.weight_version),
+                        "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(step_s, 1e-9)})
+        return metrics
+
+
+def rollout_metrics(scored: stages.ScoredBatch) -> dict[str, float]:
+    """Response length stats, stop fraction and teacher/student agreement of one step's samples."""
+    lengths = [len(s.response_ids) for s in scored.samples]
+    stopped = [s.finish_reason == "stop" for s in scored.samples]
+    agree = total = 0
+    for sample, rows in zip(scored.samples, scored.teacher):
+        if not isinstance(rows, TopKTeacher):
+            top1 = rows.logits.argmax(-1)
+        else:
+            top1 = rows.ids[:, 0]
+        start = len(sample.prompt_ids) - 1
+        for t, token in enumerate(sample.response_ids):
+            agree += int(top1[start + t]) == token
+            total += 1
+    return {
+        "rollout/response_len_mean": sum(lengths) / len(lengths),
+        "rollout/response_len_max": float(max(lengths)),
+        "rollout/response_len_min": float(min(lengths)),
+        "rollout/stop_fraction": sum(stopped) / len(stopped),
+        "rollout/response_tokens": float(sum(lengths)),
+        "rollout/num_samples": float(len(lengths)),
+        "teacher/top1_agreement": agree / max(total, 1),
+    }

@@ -1,0 +1,103 @@
+"""Step metrics to the console (tqdm bar + periodic line), a JSONL file, TensorBoard and W&B.
+
+Only rank 0 writes. Names are `group/name`. On resume the JSONL file is cut back to the steps
+before the resumed one, so a resumed run's file reads exactly like an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from opkd_mcore.config.schema import LoggingSection
+
+logger = logging.getLogger(__name__)
+
+# shown on the progress bar, in this order, when present
+BAR_KEYS = ("train/loss", "eval/accuracy", "rollout/response_len_mean", "timing/step")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path: str, before_step: int) -> None:
+    """Keep only records with `step < before_step` (used when resuming)."""
+    kept = [r for r in read_jsonl(path) if r.get("step", -1) < before_step]
+    with open(path, "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+
+
+class MetricsLogger:
+    """`log(step, metrics)` once per step; `close()` at the end."""
+
+    def __init__(self, out_dir: str, cfg: LoggingSection, total_steps: int, *, start_step: int = 0,
+                 enabled: bool = True, desc: str = "opkd train"):
+        self.cfg, self.enabled = cfg, enabled
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.bar = self.tb = self.wandb = None
+        if not enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        if cfg.jsonl:
+            truncate_jsonl(self.path, start_step)
+        if cfg.progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
+        if cfg.tensorboard:
+            self.tb = _tensorboard_writer(os.path.join(out_dir, "tensorboard"))
+        if cfg.wandb_project:
+            self.wandb = _wandb_run(cfg.wandb_project, out_dir)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: float(v) for k, v in sorted(metrics.items())}}
+        if self.cfg.jsonl:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+        if self.bar is not None:
+            self.bar.set_postfix({k.split("/")[-1]: f"{record[k]:.4g}" for k in BAR_KEYS if k in record},
+                                 refresh=False)
+            self.bar.update(1)
+        every = self.cfg.console_every
+        if every and (step + 1) % every == 0:
+            line = " ".join(f"{k}={v:.4g}" for k, v in record.items() if k != "step")
+            logger.info("step %d: %s", step, line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _tensorboard_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ValueError("logging.tensorboard: needs the `tensorboard` package (pip install "
+                         "tensorboard), or set logging.tensorboard=false") from err
+    return SummaryWriter(log_dir)
+
+
+def _wandb_run(project: str, out_dir: str):
+    try:
+        import wandb
+    except ImportError as err:
+        raise ValueError("logging.wandb_project: needs the `wandb` package (pip install wandb), or "
+                         "set logging.wandb_project=null") from err
+    return wandb.init(project=project, dir=out_dir)

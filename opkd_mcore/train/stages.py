@@ -1,0 +1,183 @@
+"""The four stages of one distillation step, each a function with typed arguments and results.
+
+    prompts --rollout_stage--> RolloutBatch --teacher_stage--> ScoredBatch
+            --train_stage--> TrainResult --weight_sync_stage--> new weight version
+
+The in-order loop (`train/loop.py`) calls them one after another; a controller that overlaps them
+(one-step-off, async) calls the same functions on other workers. Rollout and teacher scoring run
+where the engines live (rank 0 in an SPMD job); `share_from_rank0` hands their results to every
+trainer rank.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from opkd_mcore.config.schema import LossSection, ParallelSection
+from opkd_mcore.losses import DenseTeacher, TopKTeacher, teacher_confidence_scores, teacher_confidence_weights
+from opkd_mcore.losses.teacher_outputs import PAD_ID
+from opkd_mcore.rollout import Sample, SamplingConfig
+from opkd_mcore.train.batch import PackedBatch, pack_sequences
+from opkd_mcore.train.objective import StepCounts, make_loss_fn
+
+
+@dataclass
+class PromptBatch:
+    """Prompts of one step: dataset indices, token ids, and per-prompt data (answer, data_source)."""
+
+    indices: list[int]
+    prompt_ids: list[list[int]]
+    data: list[dict]
+
+
+@dataclass
+class RolloutBatch:
+    """Student samples of one step, prompt-major (n per prompt)."""
+
+    samples: list[Sample]
+    seconds: float = 0.0
+
+
+@dataclass
+class ScoredBatch:
+    """Samples with one teacher output each (`len(sequence) - 1` rows, row t scores token t+1)."""
+
+    samples: list[Sample]
+    teacher: list  # list[TopKTeacher | DenseTeacher]
+    seconds: float = 0.0
+
+
+@dataclass
+class TrainResult:
+    """What one optimizer step reports (same on every rank)."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def rollout_stage(rollout, prompts: PromptBatch, sampling: SamplingConfig) -> RolloutBatch:
+    start = time.perf_counter()
+    samples = rollout.generate(prompts.prompt_ids, sampling, data=prompts.data)
+    return RolloutBatch(samples=samples, seconds=time.perf_counter() - start)
+
+
+def teacher_stage(teacher, batch: RolloutBatch) -> ScoredBatch:
+    """Score every sample's prompt+response; `teacher` is a Teacher or a TeacherRouter."""
+    start = time.perf_counter()
+    sequences = [s.sequence for s in batch.samples]
+    if hasattr(teacher, "teacher_of"):  # a router takes the per-sample data for routing
+        rows = teacher.score(sequences, [s.data for s in batch.samples])
+    else:
+        rows = teacher.score(sequences)
+    return ScoredBatch(samples=batch.samples, teacher=rows, seconds=time.perf_counter() - start)
+
+
+def share_from_rank0(obj):
+    """`obj` of rank 0 on every rank (pickled over the default group); identity on one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _pad_teacher_rows(out, vocab_local: int, tp_rank: int, padded_vocab: int):
+    """One extra (padding) row for the last position of a sequence; dense rows cut to this TP shard."""
+    if isinstance(out, TopKTeacher):
+        ids = torch.cat([out.ids, torch.full((1, out.ids.shape[1]), PAD_ID, dtype=out.ids.dtype)])
+        lps = torch.cat([out.logprobs, torch.full((1, out.ids.shape[1]), -math.inf,
+                                                  dtype=out.logprobs.dtype)])
+        return TopKTeacher(ids=ids, logprobs=lps)
+    logits = out.logits.float()
+    if logits.shape[1] != vocab_local:  # a full-vocabulary teacher: pad the vocabulary, take our shard
+        full = torch.full((logits.shape[0], padded_vocab), -1.0e4, dtype=logits.dtype)
+        full[:, :logits.shape[1]] = logits
+        logits = full[:, tp_rank * vocab_local:(tp_rank + 1) * vocab_local]
+    return DenseTeacher(logits=torch.cat([logits, torch.zeros(1, logits.shape[1])]))
+
+
+def _concat_teacher(rows: list):
+    if isinstance(rows[0], TopKTeacher):
+        width = max(r.ids.shape[1] for r in rows)
+        ids = [torch.nn.functional.pad(r.ids, (0, width - r.ids.shape[1]), value=PAD_ID) for r in rows]
+        lps = [torch.nn.functional.pad(r.logprobs, (0, width - r.ids.shape[1]), value=-math.inf)
+               for r in rows]
+        return TopKTeacher(ids=torch.cat(ids), logprobs=torch.cat(lps))
+    return DenseTeacher(logits=torch.cat([r.logits for r in rows]))
+
+
+@dataclass
+class ShardLayout:
+    """Where this rank sits: its DP slice of the step and its vocabulary shard."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    vocab_local: int = 0  # columns of this rank's logits shard
+    padded_vocab: int = 0  # all shards together
+
+
+def confidence_weights(scored: ScoredBatch, alpha: float) -> torch.Tensor | None:
+    """TCAD sequence weights (softmax of alpha * mean teacher logprob within each prompt's group),
+    scaled so they sum to the number of samples; None when alpha = 0."""
+    if alpha == 0.0:
+        return None
+    means = []
+    for sample, out in zip(scored.samples, scored.teacher):
+        start = len(sample.prompt_ids) - 1
+        targets = torch.tensor(sample.response_ids)
+        if isinstance(out, TopKTeacher):
+            hit = out.ids[start:] == targets[:, None]
+            lp = torch.where(hit, out.logprobs[start:], torch.zeros_like(out.logprobs[start:])).sum(1)
+            lp = torch.where(hit.any(1), lp, out.logprobs[start:].masked_fill(out.ids[start:] < 0, 0).amin(1))
+        else:
+            lp = torch.log_softmax(out.logits[start:].float(), -1).gather(1, targets[:, None]).squeeze(1)
+        means.append(lp)
+    flat = torch.cat(means)
+    seq_ids = torch.repeat_interleave(torch.arange(len(means)), torch.tensor([m.numel() for m in means]))
+    scores = teacher_confidence_scores(flat, torch.ones_like(flat), seq_ids, len(means))
+    groups = torch.tensor([s.group_id for s in scored.samples])
+    return teacher_confidence_weights(scores, groups, alpha) * len(scored.samples) / groups.unique().numel()
+
+
+def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLayout,
+                       seq_weights: torch.Tensor | None = None) -> tuple[list[PackedBatch], StepCounts]:
+    """This DP rank's slice of the step, packed into micro-batches of `micro_batch_size` sequences."""
+    total = len(scored.samples)
+    if total % shard.dp_size:
+        raise ValueError(f"samples: {total} per step do not split over {shard.dp_size} DP ranks")
+    per_rank = total // shard.dp_size
+    mine = range(shard.dp_rank * per_rank, (shard.dp_rank + 1) * per_rank)
+    counts = StepCounts(num_tokens=sum(len(s.response_ids) for s in scored.samples), num_seqs=total)
+    batches = []
+    for start in range(mine.start, mine.stop, par.micro_batch_size):
+        idx = list(range(start, min(start + par.micro_batch_size, mine.stop)))
+        samples = [scored.samples[i] for i in idx]
+        rows = [_pad_teacher_rows(scored.teacher[i], shard.vocab_local, shard.tp_rank, shard.padded_vocab)
+                for i in idx]
+        batches.append(pack_sequences(
+            [s.sequence for s in samples], [len(s.prompt_ids) for s in samples],
+            sampler_logprobs=[s.response_logprobs for s in samples], teacher=_concat_teacher(rows),
+            sequence_weights=None if seq_weights is None else seq_weights[idx]))
+    return batches, counts
+
+
+def train_stage(engine, scored: ScoredBatch, loss: LossSection, par: ParallelSection,
+                shard: ShardLayout, tp_group=None) -> TrainResult:
+    """One optimizer step of the student on the scored samples."""
+    start = time.perf_counter()
+    weights = confidence_weights(scored, loss.confidence_alpha)
+    micro_batches, counts = pack_micro_batches(scored, par, shard, weights)
+    metrics = engine.train_step(micro_batches, make_loss_fn(loss, counts, tp_group))
+    return TrainResult(metrics=metrics, seconds=time.perf_counter() - start)
+
+
+def weight_sync_stage(syncer, version: int) -> float:
+    """Push the student's weights (as `version`) into the rollout engine; returns seconds taken."""
+    start = time.perf_counter()
+    syncer.sync(version)
+    return time.perf_counter() - start

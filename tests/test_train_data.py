@@ -1,0 +1,70 @@
+"""Prompt data: the synthetic addition task, file datasets, and the resumable sampler."""
+import json
+
+import pytest
+
+from opkd_mcore.config import DataSection
+from opkd_mcore.data import AdditionTask, PromptDataset, PromptSampler, build_datasets, exact_match
+
+
+@pytest.mark.parametrize("digits, reverse, num_train", [(1, True, 80), (2, True, 200), (3, False, 200)])
+def test_addition_answers_are_the_sums(digits, reverse, num_train):
+    task = AdditionTask(digits, reverse_answer=reverse)
+    train, held_out = task.splits(num_train, 20, seed=3)
+    for r in train + held_out:
+        a, b = r["prompt"].rstrip("=").split("+")
+        assert len(a) == len(b) == digits
+        answer = r["answer"][::-1] if reverse else r["answer"]
+        assert int(answer) == int(a) + int(b), r
+        assert len(r["answer"]) == digits + 1
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert task.splits(num_train, 20, seed=3) == (train, held_out)  # deterministic
+
+
+def test_addition_rejects_more_problems_than_exist():
+    with pytest.raises(ValueError, match="num_train \\+ num_eval"):
+        AdditionTask(1).splits(90, 20)
+
+
+def test_exact_match():
+    assert exact_match(" 250 ", "250") == 1.0
+    assert exact_match("25", "250") == 0.0
+    assert exact_match("2500", "250") == 0.0
+
+
+def test_sampler_resumes_exactly():
+    full = PromptSampler(10, 4, seed=5)
+    expected = [full.next_batch() for _ in range(7)]  # crosses epochs (10 is not a multiple of 4)
+    first = PromptSampler(10, 4, seed=5)
+    got = [first.next_batch() for _ in range(3)]
+    resumed = PromptSampler(10, 4, seed=5)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    got += [resumed.next_batch() for _ in range(4)]
+    assert got == expected
+    # each epoch is a permutation, and epochs differ
+    flat = [i for batch in expected for i in batch]
+    assert sorted(flat[:10]) == list(range(10)) and flat[:10] != flat[10:20]
+
+
+def test_jsonl_and_parquet_datasets(tmp_path):
+    rows = [{"question": f"q{i}", "answer": str(i), "data_source": "math" if i % 2 else "code"}
+            for i in range(5)]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ds = PromptDataset.from_file(str(jsonl), prompt_key="question")
+    assert len(ds) == 5 and ds.prompt(3) == "q3" and ds.answer(3) == "3" and ds.data_source(3) == "math"
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "p.parquet"))
+    train, held = build_datasets(DataSection(train_path=str(tmp_path / "p.parquet"), prompt_key="question",
+                                             eval_path=str(jsonl)))
+    assert [train.prompt(i) for i in range(5)] == [ds.prompt(i) for i in range(5)] and len(held) == 5
+    with pytest.raises(ValueError, match="prompt column 'prompt'"):
+        PromptDataset.from_file(str(jsonl))
+
+
+def test_synthetic_datasets_from_config():
+    train, held = build_datasets(DataSection(task="addition", task_digits=2, num_train=300, num_eval=40))
+    assert len(train) == 300 and len(held) == 40
+    assert train.data_source(0) == "addition"
