@@ -100,8 +100,10 @@ def test_router_spreads_chunks_over_two_remote_replicas(server, model_dir):
     router = TeacherRouter({"math": [client(server), client(server)]}, chunk_size=1, max_workers=2)
     sequences = SEQUENCES * 2
     scored = router.score(sequences, [{"data_source": "math"}] * len(sequences))
-    served = router.pools["math"].served
-    assert sum(served) == len(sequences) and min(served) >= 2, served
+    # timing decides the exact split; least-in-flight guarantees both used, never two on one
+    pool = router.pools["math"]
+    assert sum(pool.served) == len(sequences) and min(pool.served) >= 1, pool.served
+    assert pool.peak_in_flight == [1, 1], pool.peak_in_flight
     for seq, rows in zip(sequences, scored):
         assert_same_topk(rows, reference_logprobs(model_dir, seq), 8)
 

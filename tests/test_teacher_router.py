@@ -41,7 +41,11 @@ def test_each_sample_goes_to_its_teacher_and_load_is_spread(teachers, dirs):
         other = TransformersTeacher(dirs["code" if d["data_source"] == "math" else "math"], k=5)
         assert torch.equal(out.ids, own.ids) and torch.allclose(out.logprobs, own.logprobs)
         assert not torch.allclose(out.logprobs, other.score([seq])[0].logprobs)
-    assert router.pools["math"].served == [2, 2]  # 4 math chunks over 2 replicas
+    # Which replica finishes first is timing; what least-in-flight guarantees with as many workers
+    # as replicas is that both are used and neither ever holds two chunks while the other idles.
+    math = router.pools["math"]
+    assert sum(math.served) == 4 and min(math.served) >= 1, math.served
+    assert math.peak_in_flight == [1, 1], math.peak_in_flight
     assert router.pools["code"].served == [2]
 
 

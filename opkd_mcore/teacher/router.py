@@ -29,6 +29,7 @@ class _Replica:
         self.teacher = teacher
         self.in_flight = 0
         self.served = 0  # chunks sent here (for tests and metrics)
+        self.peak_in_flight = 0  # most chunks this replica held at once
 
 
 class TeacherPool:
@@ -47,8 +48,10 @@ class TeacherPool:
             if not free:
                 return None
             best = min(free, key=lambda i: (self.replicas[i].in_flight, self.replicas[i].served))
-            self.replicas[best].in_flight += 1
-            self.replicas[best].served += 1
+            replica = self.replicas[best]
+            replica.in_flight += 1
+            replica.served += 1
+            replica.peak_in_flight = max(replica.peak_in_flight, replica.in_flight)
             return best
 
     def _release(self, index: int) -> None:
@@ -77,6 +80,10 @@ class TeacherPool:
     @property
     def served(self) -> list[int]:
         return [r.served for r in self.replicas]
+
+    @property
+    def peak_in_flight(self) -> list[int]:
+        return [r.peak_in_flight for r in self.replicas]
 
 
 class TeacherRouter:
