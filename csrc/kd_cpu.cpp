@@ -85,10 +85,39 @@ void row_stats_row(const T* z, const T* t, int64_t v, float inv_t, float* out) {
   out[4] = static_cast<float>(a); out[5] = static_cast<float>(b);
 }
 
+// log that the compiler vectorises, for positive normal floats (the argument here is in [1, 2]):
+// Cephes logf -- exponent and mantissa by bit masks, mantissa moved to [sqrt(1/2), sqrt(2)),
+// degree-8 polynomial; ~1 ulp in float32.
+inline float fast_log(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  float e = static_cast<float>(((bits >> 23) & 0xff) - 126);
+  bits = (bits & 0x807fffff) | 0x3f000000;  // mantissa in [0.5, 1)
+  float m;
+  std::memcpy(&m, &bits, sizeof(m));
+  const bool low = m < 0.707106781186547524f;
+  e = low ? e - 1.f : e;
+  m = low ? m + m - 1.f : m - 1.f;
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  y += -2.12194440e-4f * e - 0.5f * z;
+  return m + y + 0.693359375f * e;
+}
+
+// log m = log(beta p + (1 - beta) q) from log p and log q, without leaving log space.
 inline float log_mix(float log_p, float log_q, float log_beta, float log_1m_beta) {
   const float la = log_p + log_beta, lb = log_q + log_1m_beta;
   const float mx = std::max(la, lb);
-  return mx + std::log(fast_exp(la - mx) + fast_exp(lb - mx));
+  return mx + fast_log(fast_exp(la - mx) + fast_exp(lb - mx));
 }
 
 template <typename T>
@@ -96,43 +125,61 @@ void jsd_row(const T* z, const T* t, int64_t v, float inv_t, float lse_s, float 
              float* out) {
   const float log_beta = std::log(beta), log_1m_beta = std::log1p(-beta);
   double loss = 0, kqm = 0;
-  for (int64_t j = 0; j < v; ++j) {
-    const float log_q = ld(z, j, inv_t) - lse_s, log_p = ld(t, j, inv_t) - lse_u;
-    const float q = fast_exp(log_q), p = fast_exp(log_p);
-    const float log_m = log_mix(log_p, log_q, log_beta, log_1m_beta);
-    const float q_term = q > 0.f ? q * (log_q - log_m) : 0.f;
-    const float p_term = p > 0.f ? p * (log_p - log_m) : 0.f;
-    loss += beta * p_term + (1.f - beta) * q_term;
-    kqm += q_term;
+  for (int64_t lo = 0; lo < v; lo += kChunk) {
+    const int64_t hi = std::min(v, lo + kChunk);
+    float c_pm = 0.f, c_qm = 0.f;
+#pragma omp simd reduction(+ : c_pm, c_qm)
+    for (int64_t j = lo; j < hi; ++j) {
+      const float log_q = ld(z, j, inv_t) - lse_s, log_p = ld(t, j, inv_t) - lse_u;
+      const float q = fast_exp(log_q), p = fast_exp(log_p);
+      const float log_m = log_mix(log_p, log_q, log_beta, log_1m_beta);
+      c_pm += p > 0.f ? p * (log_p - log_m) : 0.f;
+      c_qm += q > 0.f ? q * (log_q - log_m) : 0.f;
+    }
+    loss += beta * static_cast<double>(c_pm) + (1.0 - beta) * static_cast<double>(c_qm);
+    kqm += c_qm;
   }
   out[0] = static_cast<float>(loss); out[1] = static_cast<float>(kqm);
+}
+
+// g[j] = value(j) over a row, through a stack buffer per chunk: `g` may alias the student row (the
+// in-place gradient), so the compute loop writes only to memory that aliases nothing. Direct
+// read-z/write-g loops measured 1.5-6x slower in some builds, depending on unrelated code.
+template <typename T, typename F>
+inline void store_row(T* g, int64_t v, F value) {
+  float buf[kChunk];
+  for (int64_t lo = 0; lo < v; lo += kChunk) {
+    const int64_t n = std::min(kChunk, v - lo);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) buf[j] = value(lo + j);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) g[lo + j] = static_cast<T>(buf[j]);
+  }
 }
 
 template <typename T>
 void grad_row(const T* z, const T* t, T* g, int64_t v, float inv_t, float lse_s, float lse_u,
               float c0, float c1, float beta, int64_t code) {
-  if (code == 0 || code == 1) {
-#pragma omp simd
-    for (int64_t j = 0; j < v; ++j) {
-      const float q = fast_exp(ld(z, j, inv_t) - lse_s);
-      const float p = code == 1 ? fast_exp(ld(t, j, inv_t) - lse_u) : 0.f;
-      g[j] = static_cast<T>(c0 * (q - p));
-    }
+  if (code == 0) {  // student term only (sparse support); never touches the (null) teacher row
+    store_row(g, v, [&](int64_t j) { return c0 * fast_exp(ld(z, j, inv_t) - lse_s); });
+  } else if (code == 1) {
+    store_row(g, v, [&](int64_t j) {
+      return c0 * (fast_exp(ld(z, j, inv_t) - lse_s) - fast_exp(ld(t, j, inv_t) - lse_u));
+    });
   } else if (code == 2) {
-#pragma omp simd
-    for (int64_t j = 0; j < v; ++j) {
+    store_row(g, v, [&](int64_t j) {
       const float log_q = ld(z, j, inv_t) - lse_s, log_p = ld(t, j, inv_t) - lse_u;
       const float q = fast_exp(log_q);
-      g[j] = static_cast<T>(q > 0.f ? c0 * q * (log_q - log_p - c1) : 0.f);
-    }
+      return q > 0.f ? c0 * q * (log_q - log_p - c1) : 0.f;
+    });
   } else {
     const float log_beta = std::log(beta), log_1m_beta = std::log1p(-beta);
-    for (int64_t j = 0; j < v; ++j) {
+    store_row(g, v, [&](int64_t j) {
       const float log_q = ld(z, j, inv_t) - lse_s, log_p = ld(t, j, inv_t) - lse_u;
       const float q = fast_exp(log_q);
       const float log_m = log_mix(log_p, log_q, log_beta, log_1m_beta);
-      g[j] = static_cast<T>(q > 0.f ? c0 * q * (log_q - log_m - c1) : 0.f);
-    }
+      return q > 0.f ? c0 * q * (log_q - log_m - c1) : 0.f;
+    });
   }
 }
 
