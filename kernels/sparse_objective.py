@@ -96,13 +96,38 @@ def sparse_objective(s_S: torch.Tensor, lse: torch.Tensor, log_p_S: torch.Tensor
     return torch.where(empty, torch.zeros_like(loss), loss)
 
 
+# Entries of the float64 objective evaluated at once: its autograd keeps ~15 float64 temporaries
+# per entry, so 2**22 entries (K=256: 16384 rows) bound them near 0.5 GB whatever N is. Smaller
+# chunks cost ~2 ms each of kernel launches on an H200 (2**20 made K=256, N=16384 2x slower).
+CHUNK_ENTRIES = 1 << 22
+
+
 def sparse_objective_and_grads(s_S: torch.Tensor, lse: torch.Tensor, log_p_S: torch.Tensor,
                                valid: torch.Tensor, kind: str, beta: float, mass: str,
                                coverage_coef: float, need_grad: bool = True):
     """(loss [N], dL/ds_S [N, K] or None, dL/dlse [N] or None) in the dtype of `s_S`.
 
-    Rows are independent, so the gradient of the summed loss gives every row's own partials.
+    Rows are independent, so the gradient of the summed loss gives every row's own partials;
+    they are evaluated in chunks of rows to bound the float64 temporaries.
     """
+    n, k = s_S.shape
+    rows = max(1, CHUNK_ENTRIES // max(k, 1))
+    if n <= rows:
+        return _objective_and_grads(s_S, lse, log_p_S, valid, kind, beta, mass, coverage_coef, need_grad)
+    loss = s_S.new_empty(n)
+    d_s = s_S.new_empty(n, k) if need_grad else None
+    d_lse = s_S.new_empty(n) if need_grad else None
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        part = _objective_and_grads(s_S[lo:hi], lse[lo:hi], log_p_S[lo:hi], valid[lo:hi], kind, beta,
+                                    mass, coverage_coef, need_grad)
+        loss[lo:hi] = part[0]
+        if need_grad:
+            d_s[lo:hi], d_lse[lo:hi] = part[1], part[2]
+    return loss, d_s, d_lse
+
+
+def _objective_and_grads(s_S, lse, log_p_S, valid, kind, beta, mass, coverage_coef, need_grad):
     # float64 on [N, K] is cheap, and a tail mass 1 - sum_S p of a peaked teacher is far below
     # float32's resolution of sum_S p.
     out_dtype = s_S.dtype

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kd_grad, kd_jsd_sums, kd_row_stats, kd_sparse_scatter
+from . import kd_grad, kd_jsd_sums, kd_row_stats, kd_sparse_objective, kd_sparse_scatter
 from ._jit import interpreting
 
 
@@ -55,6 +55,11 @@ class TritonKdBackend:
 
     def sparse_scatter(self, out, local_ids, s_support, d_support, lse, coef):
         return kd_sparse_scatter.sparse_scatter(out, local_ids, s_support, d_support, lse, coef)
+
+    def sparse_objective(self, s_S, lse, log_p_S, valid, kind, beta, mass, coverage_coef, need_grad):
+        """`sparse_objective.sparse_objective_and_grads` in one launch (float64 in registers)."""
+        return kd_sparse_objective.sparse_objective(s_S, lse, log_p_S, valid, kind, beta, mass, coverage_coef,
+                                                    need_grad)
 
 
 def triton_usable_on(t: torch.Tensor) -> bool:

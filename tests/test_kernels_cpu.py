@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opkd_kernels import cpu_backend
-from opkd_mcore.losses import DenseTeacher, kd_loss
+from opkd_mcore.losses import DenseTeacher, TopKTeacher, kd_loss
 from opkd_mcore.losses.fused import fused_kd_loss_or_none
 from tests import kernels_cases as cases
 from tests._dist import run_distributed
@@ -98,6 +98,14 @@ def _tp2_worker(rank, world):
         torch.testing.assert_close(loss.double(), ref_loss, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(grad.double(), ref_grad[:, shard], atol=2e-6, rtol=1e-4)
         out.append(loss.tolist())
+    # fewer rows than ranks: rank 1 evaluates no rows of the sparse objective and still all-gathers
+    top = cases.make_topk(t, k=5)
+    one = TopKTeacher(top.ids[:1], top.logprobs[:1])
+    kd = dict(support="teacher", divergence="jsd", beta=0.4, mass="tail")
+    ref_loss, ref_grad = cases.reference(z[:1], one, weights[:1], **kd)
+    loss, grad = cases.fused(z[:1, shard].float(), one, weights[:1], "cpp", tp_group=dist.group.WORLD, **kd)
+    torch.testing.assert_close(loss.double(), ref_loss, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(grad.double(), ref_grad[:, shard], atol=2e-6, rtol=1e-4)
     # tp_group=None means TP=1 even inside a multi-process job: nothing is reduced over the world
     dense = DenseTeacher(t)
     ref_loss, ref_grad = cases.reference(z, dense, weights)
@@ -110,3 +118,24 @@ def _tp2_worker(rank, world):
 def test_tp2_over_gloo_matches_full_vocabulary():
     per_rank = run_distributed(_tp2_worker, 2)
     assert per_rank[0] == per_rank[1]
+
+
+@pytest.mark.parametrize("mass", ["renorm", "tail", "raw"])
+def test_sparse_objective_in_row_chunks_equals_one_pass(monkeypatch, mass):
+    """Row chunking (bounding the float64 temporaries) changes no value and no gradient."""
+    from opkd_kernels import sparse_objective as so
+
+    z, t = cases.make_logits(N, V, seed=21)
+    top = cases.make_topk(t, k=6)
+    s_S = z.gather(1, top.ids.clamp(min=0)).float()
+    lse = torch.logsumexp(z, dim=1).float()
+    valid = top.ids >= 0
+    kind = "forward_kl" if mass == "raw" else "reverse_kl"
+    args = (s_S, lse, top.logprobs.float(), valid, kind, 0.5, mass, 0.3)
+    whole = so.sparse_objective_and_grads(*args)
+    monkeypatch.setattr(so, "CHUNK_ENTRIES", 2 * s_S.shape[1])  # 2 rows per chunk, 5 chunks
+    chunked = so.sparse_objective_and_grads(*args)
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+    loss_only = so.sparse_objective_and_grads(*args, need_grad=False)
+    assert torch.equal(loss_only[0], whole[0]) and loss_only[1] is None

@@ -2,6 +2,8 @@
 
 Values and gradients, odd shapes, grad_output != 1, float32 and bfloat16 inputs, padding rows,
 extreme logits, in-place gradients, and TP=2 over gloo (real processes) against the full vocabulary.
+The one-launch sparse objective (`kd_sparse_objective`) is also compared directly with its torch
+autograd oracle `sparse_objective_and_grads` on edge-case rows, for every kind x mass x coverage.
 
 Triton picks interpreter or compiler when it is first imported, and other tests in the same
 pytest process may import it first; so every case runs in a spawned process that starts with
@@ -92,6 +94,61 @@ def _in_place_other_consumer_fails_loudly():
         (loss + other).backward()
 
 
+def _sparse_objective_inputs(k: int, seed: int):
+    """float32 [9, k] inputs of the sparse objective, one edge case per row."""
+    import math
+
+    n = 9
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, k, generator=g, dtype=torch.float64) * 2
+    teacher = torch.randn(n, k + 5, generator=g, dtype=torch.float64) * 2
+    log_p = torch.log_softmax(teacher, dim=1)[:, :k].clone()
+    valid = torch.ones(n, k, dtype=torch.bool)
+    off_support = torch.rand(n, generator=g, dtype=torch.float64) * 2 + 0.05   # lse - lse_S
+    valid[1, k // 2:] = False                           # padding carrying garbage, to be ignored
+    s[1, k // 2:], log_p[1, k // 2:] = float("nan"), 0.0
+    valid[2], log_p[2] = False, float("-inf")           # all padding: loss 0, gradient 0
+    p = torch.full((k,), 1e-9 / (k - 1), dtype=torch.float64)
+    p[0] = 1.0 - 2e-9
+    log_p[3] = p.log()                                  # very peaked teacher: tail mass 1e-9
+    log_p[4] = -math.log(1e5)                           # very flat teacher: tail mass ~1
+    log_p[5, 1] = float("-inf")                         # a valid entry with teacher probability 0
+    off_support[6] = 1e-6                               # student mass on S 1 - 1e-6
+    off_support[7] = -1e-4                              # lse < lse_S (rounding): student tail floors
+    valid[8, 0] = False                                 # leading padding, peaked student
+    s[8, 1] += 30.0
+    lse = torch.logsumexp(s.masked_fill(~valid, float("-inf")), dim=1) + off_support
+    lse[2] = 1.5
+    # lse as a strided view, like the [N, 2] row stats the fused loss passes
+    lse = torch.stack([lse, torch.zeros_like(lse)], dim=1).float()[:, 0]
+    return s.float(), lse, log_p.float(), valid
+
+
+def _sparse_objective_vs_torch(kind, beta, mass):
+    from opkd_kernels.kd_sparse_objective import sparse_objective
+    from opkd_kernels.sparse_objective import sparse_objective_and_grads
+
+    for k in (7, 6):
+        s, lse, log_p, valid = _sparse_objective_inputs(k, seed=k)
+        for coverage in (0.0, 0.4):
+            args = (s, lse, log_p, valid, kind, beta, mass, coverage)
+            expected = sparse_objective_and_grads(*args)
+            got = sparse_objective(*args)
+            for name, a, b in zip(("loss", "d_s", "d_lse"), got, expected):
+                assert a.dtype == torch.float32 and a.shape == b.shape
+                # both are float64 inside; reverse KL with the p = 0 entry of row 5 is +inf (NaN
+                # gradients) in both, hence equal_nan
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True,
+                                           msg=lambda m: f"{name} k={k} coverage={coverage}: {m}")
+            assert got[0][2].item() == 0.0 and not got[1][2].any() and got[2][2].item() == 0.0
+            assert not got[1][1, k // 2:].any() and not got[1][8, 0].any()
+            loss_only = sparse_objective(*args, need_grad=False)
+            assert loss_only[1] is None and loss_only[2] is None
+            torch.testing.assert_close(loss_only[0], got[0], rtol=0, atol=0, equal_nan=True)
+    empty = sparse_objective(s[:0], lse[:0], log_p[:0], valid[:0], kind, beta, mass, 0.4)
+    assert [t.shape for t in empty] == [(0,), (0, 6), (0,)]
+
+
 def _case_id(kd) -> str:
     return "-".join(f"{k}={v}" for k, v in kd.items())
 
@@ -104,6 +161,11 @@ for _kd in cases.TOPK_CASES:
     CASES[f"topk-{_case_id(_kd)}"] = (_topk, (_kd,))
 for _kd in cases.DENSE_SUPPORT_CASES:
     CASES[f"dense-support-{_case_id(_kd)}"] = (_dense_support, (_kd,))
+for _kind in ("forward_kl", "reverse_kl", "jsd"):
+    for _beta in (0.0, 0.3, 1.0):
+        for _mass in ("renorm", "tail", "raw"):
+            CASES[f"sparse-objective-{_kind}-beta={_beta}-{_mass}"] = (_sparse_objective_vs_torch,
+                                                                       (_kind, _beta, _mass))
 CASES.update({
     "topk-all-padding-row-zero": (_topk_all_padding_row, ()),
     "bf16-topk-jsd-tail": (_bf16_topk, ()),
