@@ -4,7 +4,8 @@ One engine per module, started from checkpoint B. Before any sync we record what
 loaded from B computes with (effective weights + greedy tokens). Then a sender in this process
 (the engine's worker is another process) syncs checkpoint A, then B again, over a gloo group.
 The Megatron tests train a student for one step in 2 real processes, save its HF export, and sync
-it; the reference is the same engine re-loaded from that export by vLLM's own checkpoint loader.
+it; the references are a fresh engine started from that export (greedy tokens) and the same engine
+re-loaded from it by vLLM's own checkpoint loader (effective weights, bit for bit).
 """
 from __future__ import annotations
 
@@ -279,7 +280,16 @@ def test_megatron_student_synced_matches_its_hf_export(engine, checkpoints, tmp_
         assert torch.equal(synced[name], t), name
     tokens_synced = greedy(llm)
 
-    # reference: vLLM's own checkpoint loader reads the HF export into the same engine
+    # reference 1: a fresh engine started from the HF export generates the same tokens
+    import vllm
+
+    fresh_engine = vllm.LLM(export_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    try:
+        assert greedy(fresh_engine) == tokens_synced
+    finally:
+        fresh_engine.llm_engine.engine_core.shutdown()
+        del fresh_engine
+    # reference 2: vLLM's own checkpoint loader reads the export into the synced engine, bit for bit
     llm.collective_rpc("reload_weights", kwargs={"weights_path": export_dir})
     llm.reset_prefix_cache()
     reloaded = _decode_probe(llm.collective_rpc("probe_effective_weights")[0])
