@@ -1,6 +1,4 @@
-"""Data-parallel rollout: two vLLM engines in two Ray actors behave like one engine."""
-import os
-
+"""Data-parallel rollout: two vLLM engines in two Ray actors behave like one engine (~1 min on 2 cores)."""
 import pytest
 
 from opkd_mcore.models.tiny import save_tiny_hf_model
@@ -18,9 +16,6 @@ def test_split_evenly_covers_every_prompt_once():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("OPKD_TEST_RAY_ROLLOUT") != "1",
-                    reason="two vLLM engines in Ray actors start too slowly for the CPU CI budget; "
-                           "set OPKD_TEST_RAY_ROLLOUT=1 to run")
 def test_two_engines_split_prompts_and_share_versions(tmp_path):
     import ray
 
