@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
-from opkd_mcore.config import dump_config, load_config
+from opkd_mcore.config import ConfigError, dump_config, load_config
 from opkd_mcore.train.checkpoint import save_checkpoint
 from opkd_mcore.train.components import build_run, close_run, is_rank0
 from opkd_mcore.train.metrics import MetricsLogger
@@ -69,7 +70,12 @@ def train(cfg, *, resume: bool = False, export_only: bool = False, step_hook=Non
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as err:
+        # a config problem is the user's to fix: the message names the key, a traceback adds nothing
+        print(f"opkd train: error: {err}", file=sys.stderr)
+        return 2
     if is_rank0():
         print(dump_config(cfg))
     train(cfg, resume=args.resume, export_only=args.export_only)
