@@ -18,7 +18,7 @@ pip=("$venv/bin/python" -m pip install -q)
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio || true
 "${pip[@]}" torchcodec==0.15.0
 "${pip[@]}" megatron-core==0.16.1 ray==2.60.0 triton==3.6.0 pybind11 \
-    safetensors pyyaml tqdm matplotlib pytest pytest-timeout
+    safetensors pyyaml tqdm matplotlib pyarrow pytest pytest-timeout
 # --no-build-isolation: the optional C++ extension builds against the torch installed above.
 "${pip[@]}" --no-build-isolation -e "$root"
 echo "opkd-mcore installed in $venv"
