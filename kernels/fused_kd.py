@@ -165,12 +165,8 @@ class FusedKdLoss(torch.autograd.Function):
         inv_t = 1.0 / spec.temperature
         kind = effective_divergence(spec.divergence, spec.beta)
         dense_teacher = t is not None
-        stats = backend.row_stats(z, t if (dense_teacher and spec.support is None) else None, inv_t)
-        lse, a_over_lu, b_over_ls = _reduce_stats(stats, group)
-        if dense_teacher and spec.support is not None:
-            # the teacher's log-partition is needed for log p_S; its own pass, student columns unused
-            lse_t, _, _ = _reduce_stats(backend.row_stats(t, None, inv_t), group)
-            lse = torch.stack([lse[:, 0], lse_t[:, 0]], dim=1)
+        # one pass gives both log-partitions (a dense teacher's is also needed for log p_S)
+        lse, a_over_lu, b_over_ls = _reduce_stats(backend.row_stats(z, t, inv_t), group)
         ctx.spec, ctx.backend, ctx.inplace = spec, backend, inplace_grad
         ctx.dense = spec.support is None
         if ctx.dense:

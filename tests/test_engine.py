@@ -270,6 +270,10 @@ def test_pack_sequences_layout():
     assert batch.seq_ids.tolist() == [0, 0, 0, 0, 1, 1, 1]
     params = batch.packed_seq_params()
     assert params.qkv_format == "thd" and params.max_seqlen_q == 4
+    # moving keeps the host-side length and every tensor, and copies rather than aliases the batch
+    moved = batch.to("cpu")
+    assert moved is not batch and moved.max_seqlen == 4 and moved.packed_seq_params().max_seqlen_kv == 4
+    assert torch.equal(moved.tokens, batch.tokens) and torch.equal(moved.cu_seqlens, batch.cu_seqlens)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -25,16 +25,10 @@ import math
 
 import torch
 
+# the beta = 0 / 1 convention, defined once with the kernels (which may not import this package)
+from opkd_kernels.sparse_objective import effective_divergence  # noqa: F401  (re-exported)
+
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-
-
-def effective_divergence(divergence: str, beta: float) -> str:
-    """The divergence actually computed: JSD at beta 0 / 1 is forward / reverse KL."""
-    if divergence == "jsd" and beta == 0.0:
-        return "forward_kl"
-    if divergence == "jsd" and beta == 1.0:
-        return "reverse_kl"
-    return divergence
 
 
 def weighted_log_ratio(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ predict a response token (token t+1 of the same sequence). Teacher rows follow t
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -31,9 +32,13 @@ class PackedBatch:
     sampler_logprobs: torch.Tensor | None = None  # [T] logprob of token t+1 under the rollout sampler
     sequence_weights: torch.Tensor | None = None  # [B] per-sequence weights (e.g. teacher confidence)
     meta: dict = field(default_factory=dict)  # free-form bookkeeping (never read by the engine)
+    # longest sequence, read once at construction: Megatron wants a host int per micro-batch, and
+    # reading it from device tensors there would stall the pipeline
+    max_seqlen: int = field(init=False, repr=False, default=0)
 
     def __post_init__(self):
         self.validate()
+        self.max_seqlen = int(self.seq_lengths.max())
 
     @property
     def num_tokens(self) -> int:
@@ -84,9 +89,8 @@ class PackedBatch:
         """Megatron's description of the packing (THD format, one entry per sequence)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        max_len = int(self.seq_lengths.max().item())
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                               max_seqlen_q=max_len, max_seqlen_kv=max_len)
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
     def to(self, device) -> "PackedBatch":
         """A copy with every tensor (teacher rows included) on `device`."""
@@ -97,8 +101,13 @@ class PackedBatch:
                 return dataclasses.replace(x, **{f.name: move(getattr(x, f.name))
                                                  for f in dataclasses.fields(x)})
             return x
-        return dataclasses.replace(self, **{f.name: move(getattr(self, f.name))
-                                            for f in dataclasses.fields(self) if f.name != "meta"})
+        # a shallow copy, not dataclasses.replace: moving tensors keeps every invariant checked at
+        # construction, and re-validating device tensors would cost host syncs per micro-batch
+        moved = copy.copy(self)
+        for f in dataclasses.fields(self):
+            if f.name != "meta":
+                setattr(moved, f.name, move(getattr(self, f.name)))
+        return moved
 
 
 def _teacher_rows(teacher) -> int:
