@@ -13,10 +13,13 @@ this file slots the TP collectives between them, as Megatron's vocab-parallel cr
 
 Extra memory is O(N) floats dense and O(N K) sparse: no [N, V] temporary in either direction.
 No `.item()` or other host sync: every per-row constant stays on the device.
+The forward also yields the row statistics a trainer logs (teacher and student mass on the
+support) from the same [N, K] tensors, so logging never needs a second pass over the vocabulary.
 Shape legend: N tokens, V_local vocab entries on this rank, K support ids per token.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,9 @@ from .sparse_objective import effective_divergence, sparse_objective_and_grads
 
 DIV_CODES = {"forward_kl": 1, "reverse_kl": 2, "jsd": 3}
 COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Forward calls per backend name ("triton", "cpp"): lets a trainer (and its tests) prove which
+# kernels ran inside a real step, without timing or profiling.
+LAUNCHES: Counter = Counter()
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,9 @@ def _reduce_stats(stats: torch.Tensor, group):
 
 def _sharded_topk_ids(x_NV: torch.Tensor, k: int, offset: int, group) -> torch.Tensor:
     """Global ids `[N, k]` of the row-wise top-k over all shards (local top-k, all-gather, top-k)."""
-    vals, idx = x_NV.float().topk(min(k, x_NV.shape[1]), dim=1)
-    idx = idx + offset
+    # top-k in the logits' own dtype: a float32 copy would be an [N, V] temporary
+    vals, idx = x_NV.topk(min(k, x_NV.shape[1]), dim=1)
+    vals, idx = vals.float(), idx + offset
     world = _tp_size(group)
     if world > 1:
         all_vals = [torch.empty_like(vals) for _ in range(world)]
@@ -156,12 +163,23 @@ def _support_ids(z, t, ids, spec, offset, group):
     return teacher_top
 
 
+def _support_masses(s_S, lse_s, log_p_S, valid):
+    """(Σ_S p, Σ_S q) per row from the [N, K] support tensors; 0 on all-padding rows."""
+    zero = torch.zeros_like(s_S)
+    teacher = torch.where(valid, torch.exp(log_p_S), zero).sum(dim=1)
+    student = torch.where(valid, torch.exp(s_S - lse_s[:, None]), zero).sum(dim=1)
+    return teacher, student
+
+
 class FusedKdLoss(torch.autograd.Function):
     """forward(student [N, V_local], teacher [N, V_local] | None, ids [N, K] | None,
-    logprobs [N, K] | None, spec, backend, group, inplace_grad) -> loss [N] float32."""
+    logprobs [N, K] | None, spec, backend, group, inplace_grad)
+    -> (loss [N] float32, teacher mass on S [N], student mass on S [N]); only the loss is
+    differentiable (masses are 1 for the full-vocabulary objective)."""
 
     @staticmethod
     def forward(ctx, z, t, ids, logprobs, spec: KdSpec, backend, group, inplace_grad: bool):
+        LAUNCHES[backend.name] += 1
         inv_t = 1.0 / spec.temperature
         kind = effective_divergence(spec.divergence, spec.beta)
         dense_teacher = t is not None
@@ -173,7 +191,9 @@ class FusedKdLoss(torch.autograd.Function):
             loss, factor, c1 = _dense_forward(backend, z, t, lse, a_over_lu, b_over_ls, spec, kind, inv_t, group)
             ctx.code, ctx.factor = DIV_CODES[kind], factor
             ctx.save_for_backward(z, t, lse, c1)
-            return loss
+            teacher_mass, student_mass = torch.ones_like(loss), torch.ones_like(loss)
+            ctx.mark_non_differentiable(teacher_mass, student_mass)
+            return loss, teacher_mass, student_mass
         v_local = z.shape[1]
         offset = _tp_rank(group) * v_local
         ids = _support_ids(z, t, ids, spec, offset, group)
@@ -188,10 +208,12 @@ class FusedKdLoss(torch.autograd.Function):
         loss, d_s, d_lse = _sparse_objective_split(s_S, lse[:, 0], log_p_S, valid, spec,
                                                    ctx.needs_input_grad[0], group, backend)
         ctx.save_for_backward(z, local, s_S, d_s, d_lse, lse)
-        return loss
+        teacher_mass, student_mass = _support_masses(s_S, lse[:, 0], log_p_S, valid)
+        ctx.mark_non_differentiable(teacher_mass, student_mass)
+        return loss, teacher_mass, student_mass
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_teacher_mass=None, _grad_student_mass=None):
         spec, backend = ctx.spec, ctx.backend
         inv_t = 1.0 / spec.temperature
         g = grad_loss.float() * inv_t
@@ -239,8 +261,11 @@ def select_backend(student_logits: torch.Tensor, backend: str = "auto"):
 def fused_kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None = None,
                   topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None, *,
                   spec: KdSpec = KdSpec(), tp_group=None, backend="auto",
-                  inplace_grad: bool | None = None) -> torch.Tensor:
+                  inplace_grad: bool | None = None, return_masses: bool = False):
     """Per-token distillation loss `[N]` float32 through the fused kernels.
+
+    With `return_masses`, returns `(loss, teacher_mass [N], student_mass [N])`: Σ_S p and Σ_S q on
+    the support (1 and 1 for the full-vocabulary objective), from the forward's own tensors.
 
     Either `teacher_logits` (dense, sharded like the student) or `topk_ids` + `topk_logprobs`.
     `backend`: "auto" | "triton" | "cpp" or a backend object. `inplace_grad`: write the gradient
@@ -261,5 +286,7 @@ def fused_kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | N
         raise ValueError(f"backend: {backend!r} cannot run on a {student_logits.device.type} tensor here")
     if inplace_grad is None:
         inplace_grad = not student_logits.is_leaf
-    return FusedKdLoss.apply(_row_major(student_logits), _row_major(teacher_logits), topk_ids,
-                             topk_logprobs, spec, impl, tp_group, inplace_grad)
+    loss, teacher_mass, student_mass = FusedKdLoss.apply(
+        _row_major(student_logits), _row_major(teacher_logits), topk_ids, topk_logprobs, spec, impl,
+        tp_group, inplace_grad)
+    return (loss, teacher_mass, student_mass) if return_masses else loss

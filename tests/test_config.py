@@ -1,11 +1,18 @@
 """Config schema: YAML + overrides, every rejection with its key path, resolved dump round trip."""
+import dataclasses
 import json
+import logging
+import math
 import os
+import re
+import shutil
+import typing
 
 import pytest
 import yaml
 
-from opkd_mcore.config import ConfigError, TrainConfig, dump_config, load_config
+from opkd_mcore.config import ConfigError, TrainConfig, dump_config, load_config, validate_config
+from opkd_mcore.train.optim import OptimConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,16 +142,17 @@ def test_dense_teacher_rules(base, tmp_path):
 
 def test_teacher_routing_rules(base, tmp_path):
     other = _hf_dir(tmp_path, "teacher2", vocab=64)
-    two = [f"teacher.teachers=[{{model: {other}, data_sources: [math]}}, "
-           f"{{model: {other}, data_sources: [math, code]}}]"]
+    two = [f"teacher.teachers=[{{name: a, model: {other}, data_sources: [math]}}, "
+           f"{{name: b, model: {other}, data_sources: [math, code]}}]"]
     _reject(base, two, "teacher.teachers.1.data_sources", "already routed")
-    two_defaults = [f"teacher.teachers=[{{model: {other}}}, {{model: {other}}}]"]
+    two_defaults = [f"teacher.teachers=[{{name: a, model: {other}}}, {{name: b, model: {other}}}]"]
     _reject(base, two_defaults, "teacher.teachers", "default teacher")
-    mixed = [f"teacher.teachers=[{{model: {other}}}, {{model: {other}, backend: megatron, "
-             f"data_sources: [code]}}]"]
+    mixed = [f"teacher.teachers=[{{name: a, model: {other}}}, {{name: b, model: {other}, "
+             f"backend: megatron, data_sources: [code]}}]"]
     _reject(base, mixed, "teacher.teachers", "mixed")
-    wrong_vocab = _hf_dir(tmp_path, "teacher3", vocab=96)
-    _reject(base, [f"teacher.teachers.0.model={wrong_vocab}"], "teacher.teachers.0.model", "vocabulary")
+    # the router keys teachers by name: a repeated name would silently replace a teacher
+    same_name = [f"teacher.teachers=[{{model: {other}}}, {{model: {other}, data_sources: [code]}}]"]
+    _reject(base, same_name, "teacher.teachers.1.name", "unique")
 
 
 def test_world_size_comes_from_launcher(base, monkeypatch):
@@ -153,3 +161,210 @@ def test_world_size_comes_from_launcher(base, monkeypatch):
     assert cfg.parallel.tp == 2
     monkeypatch.setenv("WORLD_SIZE", "3")
     _reject(base, [], "parallel.global_batch_size", "micro_batch_size*dp = 2*3")
+
+
+# --- every float finite, every field in range -----------------------------------------------
+
+def _float_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
+    """Dotted paths of every float field of the schema (list sections: item 0)."""
+    keys, hints = [], typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, path = hints[f.name], prefix + f.name
+        args = typing.get_args(tp)
+        if dataclasses.is_dataclass(tp):
+            keys += _float_keys(tp, path + ".")
+        elif typing.get_origin(tp) is list and dataclasses.is_dataclass(args[0]):
+            keys += _float_keys(args[0], path + ".0.")
+        elif tp is float or float in args:
+            keys.append(path)
+    return keys
+
+
+FLOAT_KEYS = _float_keys()
+
+
+def test_float_keys_cover_the_schema():
+    assert len(FLOAT_KEYS) >= 17, FLOAT_KEYS
+    assert {"optim.lr", "loss.beta", "rollout.gpu_memory_utilization"} <= set(FLOAT_KEYS)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "1" + "0" * 400])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_non_finite_floats_are_rejected_by_the_loader(base, key, value):
+    _reject(base, [f"{key}={value}"], key, "finite")
+
+
+def _set_path(cfg, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        cfg = cfg[int(part)] if part.isdigit() else getattr(cfg, part)
+    setattr(cfg, leaf, value)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_non_finite_floats_are_rejected_in_python_built_configs(base, key):
+    cfg = load_config(base)
+    _set_path(cfg, key, math.nan)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: expected a finite number"):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(OptimConfig)
+                                  if f.type in (float, "float")])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_optim_config_rejects_non_finite(name, value):
+    with pytest.raises(ValueError, match=rf"^OptimConfig.{name}: expected a finite number"):
+        OptimConfig(**{name: value}).validate()
+
+
+@pytest.mark.parametrize("overrides, key_path, fragment", [
+    (["parallel.cp=2"], "parallel.cp", "context parallelism"),
+    (["parallel.cp=0"], "parallel.cp", "expected 1"),
+    (["parallel.ep=2"], "parallel.ep", "MoE"),
+    (["parallel.world_size=0"], "parallel.world_size", "> 0"),
+    (["parallel.world_size=-2"], "parallel.world_size", "> 0"),
+    (["loss.confidence_alpha=-0.5"], "loss.confidence_alpha", ">= 0"),
+    (["loss.pg_coef=-1.0"], "loss.pg_coef", ">= 0"),
+    (["loss.form=policy_gradient", "loss.task_reward_coef=-1.0"], "loss.task_reward_coef", ">= 0"),
+    (["teacher.teachers.0.backend=megatron", "loss.k=65"], "loss.k", "vocabulary of 64"),
+    (["rollout.top_k=-7"], "rollout.top_k", "-1 (off) or >= 1"),
+    (["rollout.top_k=0"], "rollout.top_k", "-1 (off) or >= 1"),
+    (["rollout.gpu_memory_utilization=7.5"], "rollout.gpu_memory_utilization", "(0, 1]"),
+    (["rollout.gpu_memory_utilization=0.0"], "rollout.gpu_memory_utilization", "(0, 1]"),
+    (["rollout.seed=-1"], "rollout.seed", "[0, 2147483647]"),
+    (["rollout.seed=4294967296"], "rollout.seed", "[0, 2147483647]"),
+    (["run.seed=-1"], "run.seed", "[0, 2147483647]"),
+    (["data.seed=-3"], "data.seed", "[0, 2147483647]"),
+    (["data.num_train=0"], "data.num_train", "> 0"),
+    (["data.num_eval=-1"], "data.num_eval", ">= 0"),
+    (["data.task_digits=1"], "data.num_train", "100 distinct 1-digit"),
+    (["data.task_digits=200"], "data.task_digits", "rollout.max_model_len"),
+    (["data.prompt_key="], "data.prompt_key", "non-empty"),
+    (["data.messages_key="], "data.messages_key", "non-empty"),
+    (["data.chat_template=jinja"], "data.chat_template", "expected one of"),
+    (["data.rewards={math: my_pkg.rewards}"], "data.rewards.math", "module:function"),
+    (["data.rewards={math: 'my-pkg:score'}"], "data.rewards.math", "module:function"),
+    (["data.rewards={math: 'my_pkg:'}"], "data.rewards.math", "module:function"),
+    (["data.rewards={'': exact_match}"], "data.rewards", "data_source names"),
+    (["weight_sync.host="], "weight_sync.host", "host name or IP"),
+    (["weight_sync.host=http://10.0.0.1"], "weight_sync.host", "no scheme"),
+    (["teacher.teachers.0.name="], "teacher.teachers.0.name", "non-empty"),
+    (["teacher.teachers.0.output=full"], "teacher.teachers.0.output", "expected one of"),
+    (["teacher.teachers.0.output=dense"], "teacher.teachers.0.output", "megatron and hf"),
+    (["teacher.teachers.0.offload=true"], "teacher.teachers.0.offload", "megatron"),
+    (["teacher.teachers.0.url=http://host:8000"], "teacher.teachers.0.url", "remote"),
+    (["teacher.teachers.0.data_sources=['']"], "teacher.teachers.0.data_sources.0", "non-empty"),
+    (["teacher.teachers.0.backend=remote", "teacher.teachers.0.url=localhost:8000"],
+     "teacher.teachers.0.url", "base URL"),
+    (["teacher.teachers.0.backend=remote", "teacher.teachers.0.url=http://a:1",
+      "teacher.teachers.0.replica_urls=[ftp://b:2]"], "teacher.teachers.0.replica_urls.0", "base URL"),
+    (["logging.wandb_project="], "logging.wandb_project", "non-empty"),
+    (["run.output_dir=' '"], "run.output_dir", "directory"),
+    (["optim.lr_decay_steps=-5"], "optim.lr_decay_steps", "> 0"),
+    (["optim.lr_decay_style=cosine", "optim.warmup_steps=20"], "optim.lr_decay_steps",
+     "defaults to run.steps"),
+])
+def test_out_of_range_values_name_the_key(base, overrides, key_path, fragment):
+    _reject(base, overrides, key_path, fragment)
+
+
+def test_range_boundaries_are_accepted(base):
+    cfg = load_config(base, [
+        "rollout.top_k=-1", "rollout.gpu_memory_utilization=1.0", "rollout.seed=2147483647",
+        "data.num_eval=0", "data.seed=0", "run.seed=0", "loss.pg_coef=0.0",
+        "loss.confidence_alpha=0.0", "data.task_digits=1", "data.num_train=100",
+        "data.rewards={addition: exact_match, code: 'my_pkg.rewards:score'}",
+        "data.chat_template=none", "weight_sync.host=node-1.cluster", "run.overwrite=true",
+        "logging.console_every=0", "optim.lr_decay_steps=5"])
+    assert cfg.rollout.top_k == -1 and cfg.data.rewards["code"] == "my_pkg.rewards:score"
+    assert load_config(base, ["rollout.top_k=1"]).rollout.top_k == 1
+
+
+def test_teacher_output_and_offload(base, tmp_path):
+    hf_dense = ["teacher.teachers.0.backend=hf", "teacher.teachers.0.output=dense"]
+    # an hf teacher with dense output follows the dense (megatron) loss rules
+    cfg = load_config(base, hf_dense + ["loss.support=null", "loss.temperature=2.0"])
+    assert cfg.teacher.teachers[0].output == "dense"
+    _reject(base, hf_dense + ["loss.support=union"], "loss.k", "needs k")
+    # a megatron teacher always hands the loss dense logits (top-k is loss.support + loss.k)
+    _reject(base, ["teacher.teachers.0.backend=megatron", "teacher.teachers.0.output=topk",
+                   "loss.support=teacher", "loss.k=4"], "teacher.teachers.0.output", "loss.support: teacher")
+    _reject(base, ["teacher.teachers.0.backend=megatron", "loss.support=null", "loss.confidence_alpha=1.0"],
+            "loss.confidence_alpha", "inside")
+    other = _hf_dir(tmp_path, "teacher2")
+    mixed = [f"teacher.teachers=[{{name: a, model: {other}, backend: hf, output: dense}}, "
+             f"{{name: b, model: {other}, data_sources: [code]}}]"]
+    _reject(base, mixed, "teacher.teachers", "mixed")
+    assert load_config(base, ["teacher.teachers.0.backend=megatron", "teacher.teachers.0.offload=true",
+                              "loss.support=null"]).teacher.teachers[0].offload
+
+
+# --- vocabulary: tokenizers, not padded config.json sizes -----------------------------------
+
+TOKENS = "0123456789+= abcdef"  # 3 special tokens + 19 characters = 22 ids
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Tiny HF checkpoints with tokenizers: a student and teachers that differ in vocabulary."""
+    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("vocab")
+
+    def save(name: str, vocab: int, alphabet: str = TOKENS) -> str:
+        shape = TinyModelShape(vocab_size=vocab, hidden_size=32, num_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=16, intermediate_size=32)
+        return save_tiny_hf_model(str(root / name), "qwen3", shape, alphabet=alphabet)
+
+    out = dict(student=save("student", 32), padded=save("padded", 40),
+               permuted=save("permuted", 32, TOKENS[::-1]), small=save("small", 8, TOKENS[:5]))
+    # no tokenizer files, only config.json: the fallback compares vocab sizes
+    for name, vocab in (("bare", 40), ("bare_small", 16)):
+        os.makedirs(root / name)
+        hf = json.loads((root / "student" / "config.json").read_text())
+        (root / name / "config.json").write_text(json.dumps({**hf, "vocab_size": vocab}))
+        out[name] = str(root / name)
+    return out
+
+
+def _pair(ckpts, teacher: str, *extra: str) -> list[str]:
+    return [f"model.student={ckpts['student']}", f"teacher.teachers.0.model={ckpts[teacher]}", *extra]
+
+
+def test_vocabulary_padding_is_accepted_when_tokenizers_agree(base, ckpts):
+    # Qwen2.5-style: same tokenizer, config.json vocab_size padded differently (40 vs 32)
+    cfg = load_config(base, _pair(ckpts, "padded"))
+    assert cfg.teacher.teachers[0].model == ckpts["padded"]
+    assert load_config(base, _pair(ckpts, "bare")).model.student == ckpts["student"]
+
+
+@pytest.mark.parametrize("teacher, fragment", [
+    ("permuted", "tokenizers differ"),  # same size, other ids
+    ("small", "student tokenizer 22 tokens, teacher vocab_size 8"),
+    ("bare_small", "student tokenizer 22 tokens, teacher vocab_size 16"),  # fallback: sizes only
+])
+def test_vocabulary_mismatch_is_refused(base, ckpts, teacher, fragment):
+    _reject(base, _pair(ckpts, teacher), "teacher.teachers.0.model", fragment)
+
+
+def test_dense_teacher_with_a_padded_vocabulary_is_accepted(base, ckpts):
+    # the trainer keeps the student's ids of a wider dense teacher (tests/test_train_integration.py)
+    dense = ["teacher.teachers.0.backend=megatron", "loss.support=null"]
+    assert load_config(base, _pair(ckpts, "padded", *dense)).loss.support is None
+    assert load_config(base, _pair(ckpts, "student", *dense)).loss.support is None
+
+
+def test_student_tokenizer_must_fit_its_embedding(base, ckpts, tmp_path):
+    student = _hf_dir(tmp_path, "tight_student", vocab=16)
+    for name in os.listdir(ckpts["student"]):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(ckpts["student"], name), student)
+    _reject(base, [f"model.student={student}"], "model.student", "22 tokens")
+
+
+def test_vocabulary_without_tokenizers_warns(base, tmp_path, caplog):
+    # the base checkpoints have no tokenizer files: padded sizes may differ, so only a warning
+    padded = _hf_dir(tmp_path, "teacher_padded", vocab=96)
+    with caplog.at_level(logging.WARNING, logger="opkd_mcore.config.validate"):
+        load_config(base, [f"teacher.teachers.0.model={padded}"])
+    assert "cannot check" in caplog.text and "96" in caplog.text

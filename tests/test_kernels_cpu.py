@@ -69,15 +69,25 @@ def test_gradient_written_in_place_for_model_outputs():
     torch.testing.assert_close(leaf.grad.double(), ref_grad, atol=2e-6, rtol=1e-4)
 
 
-def test_auto_dispatch_on_cpu_uses_reference_unless_twin_enabled(monkeypatch):
+def test_auto_dispatch_on_cpu_uses_the_twin_by_default():
+    from opkd_kernels.fused_kd import LAUNCHES
+
     z, t = cases.make_logits(N, V, seed=17)
-    monkeypatch.delenv("OPKD_CPU_TWIN", raising=False)
-    assert fused_kd_loss_or_none(z.float(), DenseTeacher(t.float())) is None
     assert fused_kd_loss_or_none(z, DenseTeacher(t)) is None          # float64: always the reference
-    monkeypatch.setenv("OPKD_CPU_TWIN", "1")
-    fused = kd_loss(z.float(), DenseTeacher(t.float()), impl="fused")
+    before = LAUNCHES["cpp"]
+    auto = kd_loss(z.float(), DenseTeacher(t.float()))               # no environment variable needed
+    assert LAUNCHES["cpp"] == before + 1
+    fused = kd_loss(z.float(), DenseTeacher(t.float()), impl="cpp")
     reference = kd_loss(z.float(), DenseTeacher(t.float()), impl="reference")
+    assert LAUNCHES["cpp"] == before + 2
+    torch.testing.assert_close(auto, reference, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(fused, reference, atol=2e-5, rtol=1e-5)
+
+
+def test_forced_backend_that_cannot_run_is_an_error():
+    z, t = cases.make_logits(N, V, seed=17)
+    with pytest.raises(ValueError, match="^impl: 'fused'"):
+        kd_loss(z, DenseTeacher(t), impl="fused")                    # float64 has no fused kernel
 
 
 def _tp2_worker(rank, world):

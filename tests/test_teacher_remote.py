@@ -1,20 +1,23 @@
-"""RemoteVllmTeacher against a real vLLM OpenAI server (CPU build) started and stopped by this module."""
+"""RemoteVllmTeacher against a real vLLM OpenAI server (CPU build) started and stopped by this module,
+and against a small fake server for the checks that need a server with another vocabulary."""
+import http.server
 import json
+import logging
+import math
 import os
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
-import torch
 
 from opkd_mcore.models.tiny import save_tiny_hf_model
-from opkd_mcore.teacher.base import MalformedTeacherOutputError, TeacherUnavailableError
+from opkd_mcore.teacher.base import MalformedTeacherOutputError, TeacherError, TeacherUnavailableError
 from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher, parse_completion_response
 from opkd_mcore.teacher.serve import TeacherServer, TeacherServerConfig
 from tests._dist import free_port
 from tests.test_teacher_vllm import SEQUENCES, assert_same_topk, reference_logprobs
 
-pytestmark = pytest.mark.vllm
 SERVER_MAX_LOGPROBS = 16
 
 
@@ -44,6 +47,7 @@ def client(server, **kw):
     return RemoteVllmTeacher(RemoteTeacherConfig(**kw))
 
 
+@pytest.mark.vllm
 def test_remote_topk_matches_transformers_over_concurrent_batches(server, model_dir):
     teacher = client(server, batch_size=2, max_concurrency=2)
     sequences = SEQUENCES + [s[::-1] for s in SEQUENCES]  # 6 sequences -> 3 requests
@@ -53,6 +57,7 @@ def test_remote_topk_matches_transformers_over_concurrent_batches(server, model_
         assert_same_topk(rows, reference_logprobs(model_dir, seq), 8)
 
 
+@pytest.mark.vllm
 def test_k_above_server_max_logprobs_fails_before_scoring(server):
     teacher = client(server, k=SERVER_MAX_LOGPROBS + 1)
     with pytest.raises(ValueError, match=rf"k={SERVER_MAX_LOGPROBS + 1}.*{server.url}.*at most "
@@ -77,6 +82,7 @@ def _real_payload(server, seqs):
     return json.loads(teacher._http("/v1/completions", body))
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("corrupt, match", [
     (lambda p: p["choices"].pop(), "expected 2 choices, got 1"),
     (lambda p: p["choices"][1]["prompt_logprobs"].pop(), "sequence 1: expected 3 prompt_logprobs"),
@@ -94,6 +100,7 @@ def test_malformed_server_rows_name_the_request(server, corrupt, match):
         parse_completion_response(payload, seqs, 8, "request 9 to X")
 
 
+@pytest.mark.vllm
 def test_router_spreads_chunks_over_two_remote_replicas(server, model_dir):
     from opkd_mcore.teacher.router import TeacherRouter
 
@@ -108,6 +115,17 @@ def test_router_spreads_chunks_over_two_remote_replicas(server, model_dir):
         assert_same_topk(rows, reference_logprobs(model_dir, seq), 8)
 
 
+@pytest.mark.vllm
+def test_real_server_refuses_a_student_with_a_larger_vocabulary(server, model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    client(server, student_vocab_size=vocab).check_server()  # the same vocabulary: accepted
+    with pytest.raises(TeacherError, match=rf"{server.url}: its vocabulary has {vocab} token ids, "
+                                           rf"the student's has {vocab + 44}"):
+        client(server, student_vocab_size=vocab + 44).check_server()
+
+
+@pytest.mark.vllm
 def test_server_killed_mid_batch_gives_bounded_retries_then_error_naming_it(server):
     """Runs last in this module: it kills the module's server."""
     teacher = client(server, batch_size=1, max_concurrency=1, max_retries=2, backoff_s=0.1,
@@ -135,3 +153,93 @@ def test_server_killed_mid_batch_gives_bounded_retries_then_error_naming_it(serv
     assert server.url in str(errors[0]) and "after 3 attempts" in str(errors[0])
     assert errors[0].address == server.url
     assert teacher.stats["retries"] == 2
+
+
+# ---- a fake server: what a stock vLLM server answers, with a vocabulary of our choosing ---------------
+
+def _fake_prompt_logprobs(seq: list[int], k: int) -> list:
+    """`[null, {id: {logprob, rank}}...]`: ids 0..k-1 ranked in order, plus the actual next token."""
+    out = [None]
+    for tok in seq[1:]:
+        row = {str(i): {"logprob": math.log(0.5 ** (i + 1)), "rank": i + 1, "decoded_token": "x"}
+               for i in range(k)}
+        row.setdefault(str(tok), {"logprob": -30.0, "rank": k + 7, "decoded_token": "y"})
+        out.append(row)
+    return out
+
+
+def _fake_handler(vocab_size: int, bodies: list):
+    class FakeVllmHandlerForTest(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):  # keep the test output quiet
+            pass
+
+        def _send(self, code: int, payload: dict) -> None:
+            raw = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            self._send(200, {"object": "list", "data": [{"id": "fake-teacher", "object": "model"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            bad = [t for seq in body["prompt"] for t in seq if not 0 <= t < vocab_size]
+            if bad:  # vLLM's renderer: VLLMValidationError -> HTTP 400
+                self._send(400, {"error": {"message": f"Token id {max(bad)} is out of vocabulary",
+                                           "type": "BadRequestError", "param": "prompt", "code": 400}})
+                return
+            k = body.get("prompt_logprobs") or 0
+            choices = [{"index": i, "text": "x",
+                        "prompt_logprobs": _fake_prompt_logprobs(seq, k) if k else None}
+                       for i, seq in enumerate(body["prompt"])]
+            self._send(200, {"id": "cmpl-fake", "object": "text_completion", "choices": choices})
+
+    return FakeVllmHandlerForTest
+
+
+@contextmanager
+def fake_server(vocab_size: int):
+    bodies: list = []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _fake_handler(vocab_size, bodies))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", bodies
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _vocab_probes(bodies: list) -> list:
+    return [b["prompt"] for b in bodies if "prompt_logprobs" not in b]
+
+
+def test_student_vocabulary_larger_than_the_servers_is_refused_naming_both_sizes():
+    with fake_server(vocab_size=100) as (url, bodies):
+        teacher = RemoteVllmTeacher(RemoteTeacherConfig(url=url, k=4, student_vocab_size=120, max_retries=0))
+        with pytest.raises(TeacherError,
+                           match=rf"{url}: its vocabulary has 100 token ids, the student's has 120"):
+            teacher.score([[1, 2, 3]])
+    assert teacher.stats["requests"] == 0  # nothing was scored
+    assert _vocab_probes(bodies)[0] == [[119]]  # the student's largest id first
+
+
+def test_matching_vocabulary_is_accepted_after_one_probe():
+    with fake_server(vocab_size=100) as (url, bodies):
+        teacher = RemoteVllmTeacher(RemoteTeacherConfig(url=url, k=4, student_vocab_size=100))
+        scored = teacher.score([[1, 2, 3], [99, 5]])
+        teacher.score([[4, 5, 6]])
+    assert [tuple(s.ids.shape) for s in scored] == [(2, 4), (1, 4)]
+    assert _vocab_probes(bodies) == [[[99]]]  # asked once, not per request
+
+
+def test_unchecked_vocabulary_says_so(caplog):
+    with fake_server(vocab_size=100) as (url, _):
+        teacher = RemoteVllmTeacher(RemoteTeacherConfig(url=url, k=4))
+        with caplog.at_level(logging.WARNING, logger="opkd_mcore.teacher.remote"):
+            teacher.check_server()
+    assert f"teacher server {url}: student_vocab_size not given" in caplog.text

@@ -1,6 +1,9 @@
 """`opkd train` under `torchrun --nproc_per_node 2` with TP=2: kill after a checkpoint, resume, and
 the resumed run's metrics equal those of an uninterrupted run with the same seed.
 
+Weights go to the rollout engine every 2 steps, so the resumed engine must get the weights (and the
+version) the uninterrupted run's engine had at the checkpoint, not merely the latest ones.
+
 Real pieces: torchrun, Megatron TP=2 over gloo, the vLLM rollout engine on rank 0 with weight sync,
 a transformers-forward top-k teacher, Megatron distributed checkpoints.
 """
@@ -19,7 +22,7 @@ from opkd_mcore.train.metrics import read_jsonl
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, SAVE_EVERY = 6, 2
+STEPS, SAVE_EVERY, SYNC_EVERY = 6, 2, 2
 # wall-clock facts, not results: they differ between runs by design
 NONDETERMINISTIC = ("timing/", "perf/")
 
@@ -41,6 +44,7 @@ def setup(tmp_path_factory):
         "rollout": {"prompts_per_step": 4, "n": 2, "max_new_tokens": 4, "max_model_len": 64},
         "teacher": {"teachers": [{"backend": "hf", "model": teacher, "top_k": 4}]},
         "optim": {"lr": 1e-3},
+        "weight_sync": {"every_steps": SYNC_EVERY},
         "data": {"num_train": 50, "num_eval": 10},
         "logging": {"progress_bar": False},
         "checkpoint": {"save_every": SAVE_EVERY, "keep_last": 2},

@@ -138,7 +138,8 @@ def _pg_worker(rank, world):
         batch.sampler_logprobs = batch.sampler_logprobs - 0.1 * batch.loss_mask  # ratio != 1
         cfg = LossSection(form="policy_gradient", kl_estimator="k3", pg_coef=0.5, clip_eps=0.2,
                           support="teacher")
-        value, _ = make_loss_fn(cfg, counts)(logits, batch)
+        # a clone: like Megatron's cross entropy, the loss may consume the logits buffer in place
+        value, _ = make_loss_fn(cfg, counts)(logits.clone(), batch)
         expected, start = 0.0, 0
         for sample, rows in zip(scored.samples, scored.teacher):
             p0 = len(sample.prompt_ids) - 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import socket
 import time
 import traceback
 
@@ -65,9 +66,26 @@ def _sender_proc(stage, group, versions, queue, transport_name="group"):
         queue.put(("error", stage, traceback.format_exc()))
 
 
-def _receiver_proc(rank, groups, num_syncs, die_after_buckets, queue, transport_name="group"):
+def _forbid_unpickling() -> None:
+    """Make every unpickling entry point (and torch's IPC rebuild functions it would call) raise."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing.reductions as reductions
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the receive path unpickled bytes from the control group")
+
+    pickle.loads = pickle.load = pickle.Unpickler = ForkingPickler.loads = refuse
+    reductions.rebuild_storage_filename = reductions.rebuild_cuda_tensor = refuse
+
+
+def _receiver_proc(rank, groups, num_syncs, die_after_buckets, queue, transport_name="group",
+                   forbid_unpickling=False):
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
+        if forbid_unpickling:
+            _forbid_unpickling()
         receiver = BucketReceiver()
         receiver.join(groups, rank, transport=transport_name)
         loaded: list[dict] = []
@@ -143,6 +161,77 @@ def test_colocated_ipc_transport_over_shared_memory():
         assert received == {n: _digest(t) for n, t in _stage_tensors(0, v)}
 
 
+def test_colocated_ipc_receivers_never_unpickle_and_stay_bitwise():
+    """Two receivers in processes where unpickling raises: handles travel as plain fields."""
+    queue = mp.get_context("spawn").Queue()
+    group = TransportConfig(port=free_port(), world_size=3, timeout_s=60)
+    versions = [1, 2]
+    procs = [_start(_sender_proc, 0, group, versions, queue, "colocated_ipc")]
+    procs += [_start(_receiver_proc, r, [group], len(versions), 10**6, queue, "colocated_ipc", True)
+              for r in (1, 2)]
+    results = _collect(queue, 3, timeout=120)
+    for p in procs:
+        p.join(30)
+    errors = [r for r in results if r[0] == "error"]
+    assert not errors, errors[0][2]
+    receivers = [r for r in results if r[0] == "receiver"]
+    assert len(receivers) == 2
+    for _, rank, (got_versions, loaded, _, allocations, _) in receivers:
+        assert got_versions == versions and allocations == 2
+        for v, received in zip(versions, loaded):
+            assert received == {n: _digest(t) for n, t in _stage_tensors(0, v)}, f"receiver {rank} v{v}"
+
+
+def _handle_message(buf_id: int, nbytes: int, corrupt) -> list[torch.Tensor]:
+    """The control messages a sender would broadcast for a fresh buffer, after `corrupt(words, raw)`."""
+    from opkd_mcore.platform.ipc_handles import encode_handles, export_ipc_handles, share_buffer
+
+    words, raw = encode_handles(export_ipc_handles(share_buffer(64, torch.device("cpu")), 1))
+    words, raw = corrupt(words.clone(), raw.clone())
+    return [torch.tensor([buf_id, nbytes, words.numel(), raw.numel()]), words, raw]
+
+
+def _bytes(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _set(t: torch.Tensor, i: int, v: int) -> torch.Tensor:
+    t[i] = v
+    return t
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda w, r: (_set(w, 0, 1000), r), r"expected 1\.\.64 handles"),
+    (lambda w, r: (_set(w, 1, 9), r), "handle 0 has kind 9"),
+    (lambda w, r: (w[:-1], r), "cut short"),
+    (lambda w, r: (w, r[:-3]), "bytes of strings"),
+    (lambda w, r: (torch.cat([w, torch.tensor([5])]), r), "left over"),
+    (lambda w, r: (_set(w, 4, 65), r), r"do not fit the shared storage of 64 bytes"),
+    (lambda w, r: (w, torch.cat([r[:-int(w[-1])], _bytes(b"/a/b".ljust(int(w[-1]), b"x"))])),
+     "not of the form /NAME"),
+    (lambda w, r: (w, _set(r, 0, 0xFF)), "expected printable ASCII"),
+])
+def test_colocated_ipc_rejects_inconsistent_handle_naming_the_buffer(corrupt, match):
+    from opkd_mcore.platform.ipc_handles import IpcHandleError
+    from opkd_mcore.weight_sync.colocated_ipc import ColocatedIpcTransport
+
+    transport = ColocatedIpcTransport(TransportConfig(port=4242, world_size=2), rank=1)
+    messages = iter(_handle_message(7, 32, corrupt))
+    transport._control_bcast = lambda t: t.copy_(next(messages))  # stands in for the sender
+    with pytest.raises(IpcHandleError, match=rf"colocated buffer 7 on 127.0.0.1:4242.*{match}"):
+        transport.broadcast(torch.empty(64, dtype=torch.uint8), 32).wait(1)
+
+
+def test_colocated_ipc_unknown_buffer_without_handle_is_refused():
+    from opkd_mcore.platform.ipc_handles import IpcHandleError
+    from opkd_mcore.weight_sync.colocated_ipc import ColocatedIpcTransport
+
+    transport = ColocatedIpcTransport(TransportConfig(port=4242, world_size=2), rank=1)
+    transport._control_bcast = lambda t: t.copy_(torch.tensor([3, 16, 0, 0]))
+    with pytest.raises(IpcHandleError, match="colocated buffer 3 .*never sent this buffer's handle"):
+        transport.broadcast(torch.empty(16, dtype=torch.uint8), 16).wait(1)
+
+
 def test_dead_receiver_fails_sender_within_timeout():
     timeout_s = 20.0
     port = free_port()
@@ -198,7 +287,7 @@ class FakeGroupFactoryForSelectionTest:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, host, port, rank, world_size, *, backend, timeout_s, join_timeout_s):
+    def __call__(self, host, port, rank, world_size, *, backend, timeout_s, join_timeout_s, listener=None):
         self.calls.append(dict(host=host, port=port, rank=rank, world_size=world_size, backend=backend,
                                timeout_s=timeout_s, join_timeout_s=join_timeout_s))
         return object()
@@ -217,6 +306,85 @@ def test_backend_and_multinode_host_selection(monkeypatch, device, backend):
     transport.connect()
     assert fake.calls == [dict(host="10.1.2.3", port=31001, rank=0, world_size=9, backend=backend, timeout_s=42,
                                join_timeout_s=99)]
+
+
+def _occupy(port: int) -> socket.socket | None:
+    """Another process's listener on `port` (None when that port is already in use anyway)."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    sock.listen()
+    return sock
+
+
+def test_listener_moves_off_a_taken_port_and_exact_port_is_refused_clearly():
+    from opkd_mcore.platform.stateless_group import PortInUseError, listen_for_group, new_stateless_group
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        listener = listen_for_group("127.0.0.1", port)
+        assert listener.port != port and listener.sock.getsockname() == ("127.0.0.1", listener.port)
+        listener.close()
+        with pytest.raises(PortInUseError, match=f"127.0.0.1:{port}: the port is taken by another process"):
+            new_stateless_group("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=5)
+    finally:
+        taken.close()
+
+
+def _stage_owners_on_taken_ports(rank, world, base_port):
+    """Each rank owns one PP stage; the rank that also 'drives the engine' (0) learns every stage's port
+    only after the owners bound them, then receives in a thread, as `WeightSyncer` does with vLLM."""
+    import threading
+    from dataclasses import replace
+
+    from opkd_mcore.weight_sync.megatron_source import agree_stage_ports
+
+    groups = SyncGroupsConfig(base_port=base_port, num_receivers=1, timeout_s=60).stage_groups(world)
+    transport = make_transport("group", groups[rank], rank=0)
+    ports = agree_stage_ports(rank, transport.bind(), world)
+    groups = [replace(g, port=p) for g, p in zip(groups, ports)]
+    received: dict = {}
+    if rank == 0:
+        def receive():
+            receiver = BucketReceiver()
+            receiver.join(groups, rank=1)
+            receiver.receive(lambda named: received.update({n: _digest(t) for n, t in named}))
+            receiver.close()
+
+        engine = threading.Thread(target=receive)
+        engine.start()
+    WeightSender(_plan(), transport, rank).sync(iter(_stage_tensors(rank, 6)), 6)
+    if rank == 0:
+        engine.join(60)
+        assert not engine.is_alive(), "receiver did not finish"
+    transport.close()
+    return {"ports": ports, "received": received}
+
+
+def test_groups_form_when_the_configured_ports_are_taken():
+    from tests._dist import run_distributed
+
+    held = socket.create_server(("127.0.0.1", 0))
+    base = held.getsockname()[1]
+    held_next = _occupy(base + 1)
+    try:
+        per_rank = run_distributed(_stage_owners_on_taken_ports, 2, base)
+    finally:
+        held.close()
+        if held_next is not None:
+            held_next.close()
+    ports = per_rank[0]["ports"]
+    assert per_rank[1]["ports"] == ports and ports[0] != base and ports[1] != base + 1
+    expected = {n: _digest(t) for s in (0, 1) for n, t in _stage_tensors(s, 6)}
+    assert per_rank[0]["received"] == expected
+
+
+def test_stage_groups_with_base_port_zero_leave_the_choice_to_bind():
+    assert [g.port for g in SyncGroupsConfig(base_port=0).stage_groups(3)] == [0, 0, 0]
 
 
 def test_unknown_transport_lists_available():

@@ -45,9 +45,12 @@ class ProbingReceiverForTest(VllmWeightReceiver):
             if hasattr(module, "cpu_linear") and weight is not None and weight.numel() == 0:
                 eye = torch.eye(module.input_size_per_partition, dtype=torch.float32)
                 out[name + ".weight"] = module.cpu_linear(eye, weight, None).t().contiguous()
+        vocab = self.model_config.hf_config.vocab_size
         for name, param in model.named_parameters():
             if param.numel() > 0:
-                out[name] = param.detach().clone()
+                # vLLM pads the vocabulary rows (to a multiple of 64): compare the real ones
+                rows = vocab if name.endswith(("embed_tokens.weight", "lm_head.weight")) else None
+                out[name] = param.detach()[:rows].clone()
         return {k: (list(v.shape), v.numpy().tobytes()) for k, v in out.items()}
 
 
@@ -83,8 +86,10 @@ def hf_state(model_dir: str) -> dict[str, torch.Tensor]:
 def tiny_shape():
     from opkd_mcore.models.tiny import TinyModelShape
 
-    # 4 layers and 2 KV heads: splits over TP=2 and over PP=2 x VPP=2
-    return TinyModelShape(num_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    # 4 layers and 2 KV heads: splits over TP=2 and over PP=2 x VPP=2. A vocabulary that vLLM pads
+    # (200 -> 256 rows): its embedding and LM head are then loaded only at the end of a sync, from
+    # tensors that must outlive the receive buffer they arrived in.
+    return TinyModelShape(vocab_size=200, num_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
 def greedy(llm, prompts=PROMPTS, max_tokens=12) -> list[list[int]]:
@@ -203,7 +208,7 @@ def test_plan_mismatch_names_the_tensor(engine, checkpoints, tmp_path, variant):
 
 
 # ---------------------------------------------------------------------------- Megatron student
-LAYOUTS = {"tp2": dict(tp=2), "pp2vpp2": dict(pp=2, vpp=2)}
+LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "pp2vpp2": dict(pp=2, vpp=2)}
 TRAIN_SEQUENCES = [[1, 4, 5, 14, 6, 15, 9, 12, 2], [1, 7, 8, 14, 9, 15, 10, 11, 2]]  # equal lengths
 
 

@@ -9,6 +9,7 @@ A path names an existing key (no Hydra-style `+key`); list items are addressed b
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -24,6 +25,19 @@ class ConfigError(ValueError):
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _finite(value: int | float, path: str) -> float:
+    """`value` as a finite float. YAML reads `.nan` / `.inf` as floats, and every range check
+    downstream would let NaN through (comparisons with NaN are false); no field means infinity."""
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        raise ConfigError(f"{path}: expected a finite number, got an integer beyond the float "
+                          "range") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{path}: expected a finite number (not nan or inf), got {number}")
+    return number
 
 
 def _convert(value: Any, tp, path: str):
@@ -59,7 +73,7 @@ def _convert(value: Any, tp, path: str):
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
-        return float(value)
+        return _finite(value, path)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")

@@ -18,13 +18,18 @@ MASSES = ("renorm", "tail", "raw")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOSS_FORMS = ("logit", "policy_gradient")
 KL_ESTIMATORS = ("k1", "k3")
-LOSS_IMPLS = ("auto", "reference", "fused")
+LOSS_IMPLS = ("auto", "reference", "fused", "triton", "cpp")
 TEACHER_BACKENDS = ("vllm", "remote", "hf", "megatron")
+TEACHER_OUTPUTS = ("auto", "topk", "dense")  # auto: dense for megatron, top-k for the others
 TOPK_BACKENDS = ("vllm", "remote", "hf")
+DENSE_BACKENDS = ("megatron", "hf")  # backends that can hand the loss full-vocabulary logits
 ROUTINGS = ("data_source",)
 SCHEDULES = ("sync",)
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("addition",)
+CHAT_TEMPLATES = ("auto", "always", "none")
+BUILTIN_REWARDS = ("exact_match",)  # data.rewards values besides "module:function"
+SEED_MAX = 2**31 - 1  # seeds reach numpy (32-bit) after Megatron and vLLM add rank/step offsets
 
 
 @dataclass(kw_only=True)
@@ -42,8 +47,8 @@ class ParallelSection:
     tp: int = 1  # tensor parallel size (must divide attention and KV heads)
     pp: int = 1  # pipeline parallel size (must divide the layer count)
     vpp: int | None = None  # virtual pipeline chunks per stage; None = off (needs pp > 1)
-    cp: int = 1  # context parallel size
-    ep: int = 1  # expert parallel size (MoE only)
+    cp: int = 1  # context parallel size; must be 1: the SDPA core attention has no CP
+    ep: int = 1  # expert parallel size (MoE only; must be 1 until an MoE family is bridged)
     micro_batch_size: int = 1  # sequences per packed micro-batch on each DP rank
     global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
     world_size: int | None = None  # ranks the run expects; None = the launcher's WORLD_SIZE (or 1)
@@ -61,7 +66,7 @@ class LossSection:
     k: int | None = None  # support size for a dense teacher's top-k / union support
     mass: str = "renorm"  # renorm | tail | raw (forward KL only)
     coverage_coef: float = 0.0  # TCAD coverage regulariser weight (-log of student mass on S)
-    impl: str = "auto"  # auto | reference | fused loss kernels
+    impl: str = "auto"  # auto: fused kernels where built (Triton on GPU, C++ twin on CPU) | reference | fused | triton | cpp (error if unavailable)
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     confidence_alpha: float = 0.0  # TCAD teacher-confidence sequence weights; 0 = uniform
     kl_estimator: str = "k3"  # policy-gradient form: k1 | k3 sampled-token KL estimator
@@ -78,12 +83,12 @@ class RolloutSection:
     n: int = 2  # samples per prompt (a prompt's group)
     temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling
-    top_k: int = -1  # -1 = off
+    top_k: int = -1  # -1 = off, else >= 1
     max_new_tokens: int = 16  # response length cap
     max_model_len: int = 256  # vLLM context length
-    gpu_memory_utilization: float = 0.3  # vLLM share of accelerator memory (ignored on CPU)
+    gpu_memory_utilization: float = 0.3  # vLLM share of accelerator memory, in (0, 1] (ignored on CPU)
     enforce_eager: bool = True  # no graph capture: faster start, needed on CPU
-    seed: int = 0  # vLLM sampling seed (offset by step so every step differs)
+    seed: int = 0  # vLLM sampling seed, 0..SEED_MAX (offset by step so every step differs)
 
 
 @dataclass(kw_only=True)
@@ -98,6 +103,8 @@ class TeacherEndpoint:
     data_sources: list[str] = field(default_factory=list)  # routed here; empty = default teacher
     replica_urls: list[str] = field(default_factory=list)  # more servers of this teacher (remote),
     # load-balanced: each chunk of sequences goes to the least-loaded reachable replica
+    output: str = "auto"  # auto | topk | dense (megatron, hf): what the teacher hands the loss
+    offload: bool = False  # megatron: keep the teacher's weights in host memory between steps
 
 
 @dataclass(kw_only=True)
@@ -115,6 +122,7 @@ class WeightSyncSection:
     bucket_mb: int = 64  # bucket size of the transfer plan
     transport: str = "group"  # a transport registered in weight_sync.transport.TRANSPORTS
     every_steps: int = 1  # sync every N steps (1 = fully on-policy)
+    host: str = "127.0.0.1"  # address the weight-sync groups rendezvous on (rank 0's, reachable by the engines)
 
 
 @dataclass(kw_only=True)
@@ -126,6 +134,9 @@ class DataSection:
     prompt_key: str = "prompt"  # column holding the prompt text
     answer_key: str = "answer"  # column holding the exact answer (for eval / task reward)
     data_source_key: str = "data_source"  # column used for teacher routing
+    messages_key: str = "messages"  # column holding chat messages (used instead of prompt_key when present)
+    chat_template: str = "auto"  # auto: chat template for `messages` records | always: also wraps a text prompt as a user turn | none: raw text
+    rewards: dict[str, str] = field(default_factory=dict)  # data_source -> "exact_match" | "module:function"
     task: str | None = "addition"  # synthetic task when train_path is None
     task_digits: int = 2  # synthetic addition: max digits per operand
     num_train: int = 2000  # synthetic: training prompts
@@ -164,6 +175,7 @@ class RunSection:
     seed: int = 1234  # global seed (model init RNG, dropout)
     schedule: str = "sync"  # sync (in order); overlapping schedules come with the Ray controller
     device: str | None = None  # one of opkd_mcore.platform.DEVICE_TYPES; None = auto-detect
+    overwrite: bool = False  # a fresh run may replace an output_dir that already holds checkpoints
 
 
 @dataclass(kw_only=True)

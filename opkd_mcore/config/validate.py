@@ -3,20 +3,27 @@
 Each check raises `ConfigError` whose message begins with the offending key path and says what
 was expected. Model shapes (heads, layers, vocabulary) come from the checkpoint's `config.json`;
 for hub names that are not local directories a small table of known shapes is used, so that the
-real-scale recipes validate on a laptop.
+real-scale recipes validate on a laptop. Whether teacher and student share a vocabulary is decided
+by their tokenizers where both checkpoints have one (`config.json` sizes include padding).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
+import urllib.parse
 
 from opkd_mcore.config.loader import ConfigError
 from opkd_mcore.platform.device import DEVICE_TYPES
 from opkd_mcore.config.schema import (
-    AGGREGATIONS, DIVERGENCES, DTYPES, KL_ESTIMATORS, LOSS_FORMS, LOSS_IMPLS, MASSES,
-    ROUTINGS, SCHEDULES, SUPPORTS, TASKS, TEACHER_BACKENDS, TOPK_BACKENDS, TrainConfig,
+    AGGREGATIONS, BUILTIN_REWARDS, CHAT_TEMPLATES, DENSE_BACKENDS, DIVERGENCES, DTYPES,
+    KL_ESTIMATORS, LOSS_FORMS, LOSS_IMPLS, MASSES, ROUTINGS, SCHEDULES, SEED_MAX, SUPPORTS, TASKS,
+    TEACHER_BACKENDS, TEACHER_OUTPUTS, TeacherEndpoint, TrainConfig,
 )
+
+logger = logging.getLogger(__name__)
 
 # Shapes of public checkpoints the recipes name (from their config.json), used when the path is a
 # hub id rather than a local directory. Fields: heads, kv_heads, layers, vocab.
@@ -38,26 +45,122 @@ def _choice(path: str, value, options) -> None:
 
 
 def _positive(path: str, value, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    # written so that NaN fails too: a config built in Python never went through the loader
+    if not (value > 0 or (allow_zero and value == 0)):
         raise ConfigError(f"{path}: expected {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _in_range(path: str, value, low, high, *, low_open: bool = False) -> None:
+    """`low <= value <= high` (`low < value` when `low_open`); NaN fails."""
+    if not ((value > low if low_open else value >= low) and value <= high):
+        raise ConfigError(f"{path}: expected a value in {'(' if low_open else '['}{low}, {high}], "
+                          f"got {value!r}")
+
+
+def _seed(path: str, value: int) -> None:
+    _in_range(path, value, 0, SEED_MAX)
+
+
+def _non_empty(path: str, value: str | None) -> None:
+    if not value or not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
+
+
+def _check_finite(value, path: str) -> None:
+    """Every float in the config is finite (the loader checks YAML input; this covers configs
+    built in Python). No field gives infinity a meaning, and NaN slips through range checks."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _check_finite(getattr(value, f.name), f"{path}.{f.name}" if path else f.name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{path}.{i}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, f"{path}.{key}")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: expected a finite number (not nan or inf), got {value}")
 
 
 def model_shape(path_key: str, model: str, check_files: bool) -> dict | None:
     """heads / kv_heads / layers / vocab of a checkpoint, or None when unknown and not checked."""
     cfg_file = os.path.join(model, "config.json")
     if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
-            hf = json.load(f)
-        hf = hf.get("text_config", hf)
-        heads = hf["num_attention_heads"]
-        return dict(heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-                    layers=hf["num_hidden_layers"], vocab=hf["vocab_size"])
+        try:
+            with open(cfg_file) as f:
+                hf = json.load(f)
+            hf = hf.get("text_config", hf)
+            heads = hf["num_attention_heads"]
+            return dict(heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
+                        layers=hf["num_hidden_layers"], vocab=hf["vocab_size"])
+        except (ValueError, KeyError, AttributeError) as err:  # not JSON, or not a decoder config
+            raise ConfigError(f"{path_key}: {cfg_file} is not a usable HF model config "
+                              f"({type(err).__name__}: {err})") from None
     if model in KNOWN_MODEL_SHAPES:
         return KNOWN_MODEL_SHAPES[model]
     if check_files:
         raise ConfigError(f"{path_key}: no HF checkpoint at {model!r} (expected a directory with "
                           f"config.json, or one of {sorted(KNOWN_MODEL_SHAPES)})")
     return None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+@dataclasses.dataclass
+class TokenizerInfo:
+    """What the vocabulary check needs of a checkpoint's tokenizer."""
+
+    size: int  # len(tokenizer): every id the model can be asked to emit, added tokens included
+    ids: dict[str, int]  # token string -> id (`get_vocab()`, added tokens included)
+
+
+def load_tokenizer_info(path_key: str, model: str, cache: dict) -> TokenizerInfo | None:
+    """The tokenizer of a local checkpoint, or None when it has no tokenizer files (or is a hub
+    id: nothing is downloaded). `cache` maps model -> result within one validation."""
+    if model not in cache:
+        cache[model] = None
+        if any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+            except Exception as err:  # transformers raises many kinds; all mean a broken checkpoint
+                raise ConfigError(f"{path_key}: cannot load the tokenizer of {model!r}: {err}") from None
+            cache[model] = TokenizerInfo(size=len(tok), ids=tok.get_vocab())
+    return cache[model]
+
+
+def _check_student_vocab(shape: dict | None, tok: TokenizerInfo | None) -> None:
+    if shape and tok and tok.size > shape["vocab"]:
+        raise ConfigError(f"model.student: the tokenizer has {tok.size} tokens but config.json's "
+                          f"vocab_size is {shape['vocab']} (the embedding must hold every token id)")
+
+
+def _check_vocab(path_key: str, teacher_vocab: int, teacher_tok: TokenizerInfo | None,
+                 student_vocab: int, student_tok: TokenizerInfo | None) -> None:
+    """The teacher can score every id the student emits, and means the same token by it.
+
+    config.json vocab sizes are padded (Qwen2.5: 151936 or 152064 for one tokenizer), so they
+    are compared only as a fallback when a tokenizer is missing.
+    """
+    sizes = (f"student tokenizer {student_tok.size if student_tok else '?'} tokens, "
+             f"teacher vocab_size {teacher_vocab}")
+    if student_tok is not None and student_tok.size > min(teacher_vocab, student_vocab):
+        raise ConfigError(f"{path_key}: the teacher cannot score every token the student can emit "
+                          f"({sizes})")
+    if student_tok is not None and teacher_tok is not None:
+        differ = [tok for tok, i in student_tok.ids.items() if teacher_tok.ids.get(tok) != i]
+        if differ:
+            tok = differ[0]
+            raise ConfigError(f"{path_key}: the tokenizers differ: {len(differ)} of the student's "
+                              f"tokens have another id in the teacher's (e.g. {tok!r}: student id "
+                              f"{student_tok.ids[tok]}, teacher id {teacher_tok.ids.get(tok)}); "
+                              f"{sizes} (same tokenizer needed)")
+    elif student_tok is None and teacher_vocab != student_vocab:
+        logger.warning("%s: cannot check that the teacher's tokenizer matches the student's (no "
+                       "tokenizer files); vocab_size %d (teacher) vs %d (student) may only be padding",
+                       path_key, teacher_vocab, student_vocab)
 
 
 def launch_world_size(cfg: TrainConfig) -> int:
@@ -67,8 +170,17 @@ def launch_world_size(cfg: TrainConfig) -> int:
 
 def _check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
     par = cfg.parallel
-    for name in ("tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size"):
+    for name in ("tp", "pp", "micro_batch_size", "global_batch_size"):
         _positive(f"parallel.{name}", getattr(par, name))
+    if par.cp != 1:
+        raise ConfigError(f"parallel.cp: expected 1, got {par.cp}: the student's SDPA core attention "
+                          "(opkd_mcore/platform/sdpa_attention.py) does not support context "
+                          "parallelism")
+    if par.ep != 1:  # to become "1 unless the student is MoE" once an MoE family is bridged
+        raise ConfigError(f"parallel.ep: expected 1, got {par.ep}: expert parallelism needs an MoE "
+                          "student, and no MoE model family is supported yet")
+    if par.world_size is not None:
+        _positive("parallel.world_size", par.world_size)
     if par.vpp is not None:
         _positive("parallel.vpp", par.vpp)
         if par.pp == 1:
@@ -99,31 +211,85 @@ def _check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
                           f"samples per step rollout.prompts_per_step*rollout.n = {samples}")
 
 
-def _check_teachers(cfg: TrainConfig, student_shape: dict | None, check_files: bool) -> None:
+def teacher_output(t: TeacherEndpoint) -> str:
+    """What teacher `t` hands the loss: "dense" logits or "topk" rows (`auto`: dense for megatron)."""
+    if t.output != "auto":
+        return t.output
+    return "dense" if t.backend == "megatron" else "topk"
+
+
+def _check_url(path: str, url: str | None) -> None:
+    try:
+        parts = urllib.parse.urlsplit(url or "")
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{path}: a remote teacher needs the server's base URL "
+                          f"(http://host:port), got {url!r}")
+
+
+def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
+    """One teacher's own fields, without reading its checkpoint."""
+    _non_empty(f"{path}.name", t.name)
+    _choice(f"{path}.backend", t.backend, TEACHER_BACKENDS)
+    _choice(f"{path}.output", t.output, TEACHER_OUTPUTS)
+    if t.output == "dense" and t.backend not in DENSE_BACKENDS:
+        raise ConfigError(f"{path}.output: 'dense' needs full-vocabulary logits, which only the "
+                          f"{' and '.join(DENSE_BACKENDS)} backends compute; got backend "
+                          f"{t.backend!r} (use topk)")
+    if t.offload and t.backend != "megatron":
+        raise ConfigError(f"{path}.offload: only a megatron teacher's weights move to host memory "
+                          f"between steps; got backend {t.backend!r} (set offload: false)")
+    _positive(f"{path}.top_k", t.top_k)
+    for j, source in enumerate(t.data_sources):
+        _non_empty(f"{path}.data_sources.{j}", source)
+    if t.backend == "remote":
+        _check_url(f"{path}.url", t.url)
+        for j, url in enumerate(t.replica_urls):
+            _check_url(f"{path}.replica_urls.{j}", url)
+        return
+    if t.url is not None or t.replica_urls:
+        key = "url" if t.url is not None else "replica_urls"
+        raise ConfigError(f"{path}.{key}: only a remote teacher is a server reached by URL; got "
+                          f"backend {t.backend!r}")
+    if not t.model:
+        raise ConfigError(f"{path}.model: the {t.backend} teacher needs an HF checkpoint")
+
+
+def _check_teacher_model(cfg: TrainConfig, path: str, t: TeacherEndpoint, student_shape: dict | None,
+                         tokenizers: dict, check_files: bool) -> None:
+    """The checkpoint of an in-process teacher against the student's vocabulary and the layout."""
+    shape = model_shape(f"{path}.model", t.model, check_files)
+    if shape is None:
+        return
+    tp = cfg.parallel.tp
+    if t.backend == "megatron" and (shape["heads"] % tp or shape["kv_heads"] % tp):
+        raise ConfigError(f"parallel.tp: {tp} does not divide the heads of the megatron teacher "
+                          f"{path}.model ({t.model})")
+    if student_shape is None:
+        return
+    student_tok = load_tokenizer_info("model.student", cfg.model.student, tokenizers)
+    teacher_tok = load_tokenizer_info(f"{path}.model", t.model, tokenizers)
+    # a dense teacher may have more rows (padding): the trainer keeps the student's ids only
+    _check_vocab(f"{path}.model", shape["vocab"], teacher_tok, student_shape["vocab"], student_tok)
+
+
+def _check_teachers(cfg: TrainConfig, student_shape: dict | None, tokenizers: dict,
+                    check_files: bool) -> None:
     tcfg = cfg.teacher
     _choice("teacher.routing", tcfg.routing, ROUTINGS)
     if not tcfg.teachers:
         raise ConfigError("teacher.teachers: expected at least one teacher")
-    defaults, sources = 0, {}
+    defaults, sources, names = 0, {}, {}
     for i, t in enumerate(tcfg.teachers):
         path = f"teacher.teachers.{i}"
-        _choice(f"{path}.backend", t.backend, TEACHER_BACKENDS)
-        _positive(f"{path}.top_k", t.top_k)
-        if t.replica_urls and t.backend != "remote":
-            raise ConfigError(f"{path}.replica_urls: replicas are servers; only a remote teacher has them")
-        if t.backend == "remote" and not t.url:
-            raise ConfigError(f"{path}.url: a remote teacher needs the server's base URL")
+        _check_endpoint(path, t)
+        if t.name in names:  # the router keys teachers by name: a repeat would replace one
+            raise ConfigError(f"{path}.name: {t.name!r} is already the name of "
+                              f"teacher.teachers.{names[t.name]} (names must be unique)")
+        names[t.name] = i
         if t.backend != "remote":
-            if not t.model:
-                raise ConfigError(f"{path}.model: the {t.backend} teacher needs an HF checkpoint")
-            shape = model_shape(f"{path}.model", t.model, check_files)
-            if shape and student_shape and shape["vocab"] != student_shape["vocab"]:
-                raise ConfigError(f"{path}.model: vocabulary {shape['vocab']} differs from the "
-                                  f"student's {student_shape['vocab']} (same tokenizer needed)")
-            if t.backend == "megatron" and shape and (shape["heads"] % cfg.parallel.tp
-                                                      or shape["kv_heads"] % cfg.parallel.tp):
-                raise ConfigError(f"parallel.tp: {cfg.parallel.tp} does not divide the heads of the "
-                                  f"megatron teacher {path}.model ({t.model})")
+            _check_teacher_model(cfg, path, t, student_shape, tokenizers, check_files)
         defaults += not t.data_sources
         for src in t.data_sources:
             if src in sources:
@@ -133,13 +299,31 @@ def _check_teachers(cfg: TrainConfig, student_shape: dict | None, check_files: b
     if defaults > 1:
         raise ConfigError("teacher.teachers: more than one teacher without data_sources "
                           "(only one default teacher is allowed)")
-    kinds = {t.backend in TOPK_BACKENDS for t in tcfg.teachers}
-    if len(kinds) > 1:
-        raise ConfigError("teacher.teachers: dense (megatron) and top-k (vllm/remote) teachers cannot "
-                          "be mixed under one loss")
+    if len({teacher_output(t) for t in tcfg.teachers}) > 1:
+        raise ConfigError("teacher.teachers: dense-output teachers (megatron, hf with output: dense) "
+                          "and top-k teachers cannot be mixed under one loss")
+    _check_in_step_teacher(cfg)
 
 
-def _check_loss(cfg: TrainConfig) -> None:
+def _check_in_step_teacher(cfg: TrainConfig) -> None:
+    """A megatron teacher runs inside the student's step, on every micro-batch: it is the run's only
+    teacher, it hands the loss its dense logits, and nothing needs its scores before the step."""
+    megatron = [i for i, t in enumerate(cfg.teacher.teachers) if t.backend == "megatron"]
+    if not megatron:
+        return
+    path = f"teacher.teachers.{megatron[0]}"
+    if len(cfg.teacher.teachers) > 1:
+        raise ConfigError(f"{path}.backend: a megatron teacher scores every micro-batch inside the "
+                          "student's step, so it must be the run's only teacher (no routing)")
+    if cfg.teacher.teachers[0].output == "topk":
+        raise ConfigError(f"{path}.output: a megatron teacher hands the loss its dense TP-sharded logits; "
+                          "for a top-k objective set loss.support: teacher and loss.k instead")
+    if cfg.loss.confidence_alpha:
+        raise ConfigError("loss.confidence_alpha: teacher-confidence weights need the teacher's scores "
+                          "before the step; a megatron teacher scores inside it (use 0)")
+
+
+def _check_loss(cfg: TrainConfig, student_shape: dict | None) -> None:
     loss = cfg.loss
     _choice("loss.form", loss.form, LOSS_FORMS)
     _choice("loss.divergence", loss.divergence, DIVERGENCES)
@@ -148,19 +332,22 @@ def _check_loss(cfg: TrainConfig) -> None:
     _choice("loss.impl", loss.impl, LOSS_IMPLS)
     _choice("loss.aggregation", loss.aggregation, AGGREGATIONS)
     _choice("loss.kl_estimator", loss.kl_estimator, KL_ESTIMATORS)
-    if not 0.0 <= loss.beta <= 1.0:
-        raise ConfigError(f"loss.beta: expected a value in [0, 1], got {loss.beta}")
+    _in_range("loss.beta", loss.beta, 0, 1)
     _positive("loss.temperature", loss.temperature)
-    _positive("loss.coverage_coef", loss.coverage_coef, allow_zero=True)
     _positive("loss.clip_eps", loss.clip_eps)
+    for name in ("coverage_coef", "confidence_alpha", "pg_coef", "task_reward_coef"):
+        _positive(f"loss.{name}", getattr(loss, name), allow_zero=True)
+    if loss.k is not None:
+        _positive("loss.k", loss.k)
     if loss.mass == "raw" and loss.divergence != "forward_kl":
         raise ConfigError(f"loss.mass: 'raw' is defined for forward_kl only, got divergence "
                           f"{loss.divergence!r} (use renorm or tail)")
-    topk = cfg.teacher.teachers and cfg.teacher.teachers[0].backend in TOPK_BACKENDS
-    if topk:
+    # teachers are all dense or all top-k (`_check_teachers`): the first one speaks for all
+    if teacher_output(cfg.teacher.teachers[0]) == "topk":
         if loss.support == "union":
             raise ConfigError("loss.support: 'union' needs teacher values on the student's top-k ids, "
-                              "so it needs a dense (megatron) teacher, not a top-k teacher")
+                              "so it needs a dense teacher (megatron, or hf with output: dense), not "
+                              "a top-k teacher")
         if loss.support is None and loss.form == "logit":
             raise ConfigError("loss.support: a top-k teacher has no full-vocabulary distribution; "
                               "set support: teacher")
@@ -171,8 +358,9 @@ def _check_loss(cfg: TrainConfig) -> None:
             raise ConfigError(f"loss.k: {loss.k} exceeds the teachers' top_k")
     elif loss.support is not None and loss.k is None:
         raise ConfigError(f"loss.k: support={loss.support!r} with a dense teacher needs k (top-k size)")
-    if loss.k is not None:
-        _positive("loss.k", loss.k)
+    elif loss.k is not None and student_shape and loss.k > student_shape["vocab"]:
+        raise ConfigError(f"loss.k: {loss.k} exceeds the student's vocabulary of "
+                          f"{student_shape['vocab']} tokens")
     if loss.task_reward_coef and loss.form != "policy_gradient":
         raise ConfigError("loss.task_reward_coef: task rewards enter through the policy-gradient form; "
                           "set loss.form: policy_gradient")
@@ -181,36 +369,89 @@ def _check_loss(cfg: TrainConfig) -> None:
 def _check_optim(cfg: TrainConfig) -> None:
     """The engine's own checks, with the decay length defaulting to run.steps as the trainer does."""
     optim = dataclasses.replace(cfg.optim)
-    if optim.lr_decay_style != "constant" and optim.lr_decay_steps is None:
+    defaulted = optim.lr_decay_style != "constant" and optim.lr_decay_steps is None
+    if defaulted:
         optim.lr_decay_steps = cfg.run.steps
     try:
         optim.validate()
     except ValueError as err:
-        raise ConfigError(str(err).replace("OptimConfig.", "optim.", 1)) from None
+        msg = str(err).replace("OptimConfig.", "optim.", 1)
+        if defaulted and msg.startswith("optim.lr_decay_steps"):
+            msg += " (lr_decay_steps defaults to run.steps)"
+        raise ConfigError(msg) from None
 
 
-def _check_rest(cfg: TrainConfig, check_files: bool) -> None:
-    _choice("model.params_dtype", cfg.model.params_dtype, DTYPES)
+def _check_rollout(cfg: TrainConfig) -> None:
     ro = cfg.rollout
     for name in ("prompts_per_step", "n", "max_new_tokens", "max_model_len"):
         _positive(f"rollout.{name}", getattr(ro, name))
     _positive("rollout.temperature", ro.temperature, allow_zero=True)
-    if not 0.0 < ro.top_p <= 1.0:
-        raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {ro.top_p}")
+    _in_range("rollout.top_p", ro.top_p, 0, 1, low_open=True)
+    if not (ro.top_k == -1 or ro.top_k >= 1):
+        raise ConfigError(f"rollout.top_k: expected -1 (off) or >= 1, got {ro.top_k}")
+    _in_range("rollout.gpu_memory_utilization", ro.gpu_memory_utilization, 0, 1, low_open=True)
+    _seed("rollout.seed", ro.seed)
     if ro.max_new_tokens >= ro.max_model_len:
         raise ConfigError(f"rollout.max_new_tokens: {ro.max_new_tokens} leaves no room for the prompt "
                           f"in rollout.max_model_len = {ro.max_model_len}")
-    _check_optim(cfg)
+
+
+def _check_weight_sync(cfg: TrainConfig) -> None:
     ws = cfg.weight_sync
     _positive("weight_sync.bucket_mb", ws.bucket_mb)
     _positive("weight_sync.every_steps", ws.every_steps)
     _choice("weight_sync.transport", ws.transport, TRANSPORTS)
+    if not ws.host or any(c.isspace() for c in ws.host) or "://" in ws.host:
+        raise ConfigError(f"weight_sync.host: expected a host name or IP address (no scheme, no "
+                          f"spaces), got {ws.host!r}")
+
+
+def _check_reward(path: str, reward: str) -> None:
+    """A built-in reward or `module:function`; only the format: importing runs user code."""
+    if reward in BUILTIN_REWARDS:
+        return
+    module, _, function = reward.partition(":")
+    if not (function.isidentifier() and all(part.isidentifier() for part in module.split("."))):
+        raise ConfigError(f"{path}: expected one of {list(BUILTIN_REWARDS)} or 'module:function' "
+                          f"(e.g. my_pkg.rewards:score), got {reward!r}")
+
+
+def _check_task(cfg: TrainConfig) -> None:
+    """The synthetic task: known, and its problems fit both the context and the split sizes."""
+    data, ro = cfg.data, cfg.rollout
+    if data.task is None:
+        raise ConfigError("data.train_path: set a prompt file, or data.task for a synthetic task")
+    _choice("data.task", data.task, TASKS)
+    digits = data.task_digits
+    _positive("data.task_digits", digits)
+    prompt_tokens = 2 * digits + 3  # "07+45=" and a BOS; no tokenizer splits an ASCII char further
+    if prompt_tokens + ro.max_new_tokens > ro.max_model_len:
+        raise ConfigError(f"data.task_digits: {digits}-digit prompts take up to {prompt_tokens} tokens "
+                          f"(one per character, before any chat template), "
+                          f"which with rollout.max_new_tokens = {ro.max_new_tokens} exceed "
+                          f"rollout.max_model_len = {ro.max_model_len}")
+    total = data.num_train + data.num_eval
+    # 10**(2*digits) distinct problems; the digit count is compared first so that a huge
+    # task_digits never builds a huge integer
+    if 2 * digits < len(str(total)) and total > 10 ** (2 * digits):
+        raise ConfigError(f"data.num_train: num_train + num_eval = {total} exceeds the "
+                          f"{10 ** (2 * digits)} distinct {digits}-digit addition problems")
+
+
+def _check_data(cfg: TrainConfig, check_files: bool) -> None:
     data = cfg.data
+    for key in ("prompt_key", "answer_key", "data_source_key", "messages_key"):
+        _non_empty(f"data.{key}", getattr(data, key))
+    _choice("data.chat_template", data.chat_template, CHAT_TEMPLATES)
+    for source, reward in data.rewards.items():
+        if not source.strip():
+            raise ConfigError(f"data.rewards: expected data_source names as keys, got {source!r}")
+        _check_reward(f"data.rewards.{source}", reward)
+    _positive("data.num_train", data.num_train)
+    _positive("data.num_eval", data.num_eval, allow_zero=True)
+    _seed("data.seed", data.seed)
     if data.train_path is None:
-        if data.task is None:
-            raise ConfigError("data.train_path: set a prompt file, or data.task for a synthetic task")
-        _choice("data.task", data.task, TASKS)
-        _positive("data.task_digits", data.task_digits)
+        _check_task(cfg)
     for key in ("train_path", "eval_path"):
         value = getattr(data, key)
         if value is None:
@@ -219,24 +460,54 @@ def _check_rest(cfg: TrainConfig, check_files: bool) -> None:
             raise ConfigError(f"data.{key}: expected a .jsonl or .parquet file, got {value!r}")
         if check_files and not os.path.isfile(value):
             raise ConfigError(f"data.{key}: file {value!r} does not exist")
+
+
+def _check_run(cfg: TrainConfig) -> None:
     run = cfg.run
     _positive("run.steps", run.steps)
+    _seed("run.seed", run.seed)
     _choice("run.schedule", run.schedule, SCHEDULES)
     _choice("run.device", run.device, DEVICES)
-    if not run.output_dir:
-        raise ConfigError("run.output_dir: expected a directory path")
+    if not run.output_dir or not run.output_dir.strip():
+        raise ConfigError(f"run.output_dir: expected a directory path, got {run.output_dir!r}")
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     _positive("logging.console_every", cfg.logging.console_every, allow_zero=True)
+    if cfg.logging.wandb_project is not None:
+        _non_empty("logging.wandb_project", cfg.logging.wandb_project)
+
+
+def _check_checkpoint_cadence(cfg: TrainConfig) -> None:
+    """Periodic checkpoints fall on weight-sync steps: there the rollout engine holds the saved
+    student, so a resumed run equals an uninterrupted one (train.checkpoint.rollout_version_on_resume)."""
+    every, save = cfg.weight_sync.every_steps, cfg.checkpoint.save_every
+    if save and save % every:
+        raise ConfigError(f"checkpoint.save_every: {save} is not a multiple of weight_sync.every_steps = "
+                          f"{every} (a checkpoint between weight syncs cannot restore the rollout "
+                          f"engine's weights); use e.g. {every * -(-save // every)}")
+
+
+def _check_rest(cfg: TrainConfig, check_files: bool) -> None:
+    _choice("model.params_dtype", cfg.model.params_dtype, DTYPES)
+    _check_rollout(cfg)
+    _check_optim(cfg)
+    _check_weight_sync(cfg)
+    _check_data(cfg, check_files)
+    _check_run(cfg)
+    _check_checkpoint_cadence(cfg)
 
 
 def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfig:
     """Raise `ConfigError` (a ValueError) naming the key path of the first impossible setting."""
+    _check_finite(cfg, "")
     if not cfg.model.student:
         raise ConfigError("model.student: expected the student's HF checkpoint directory or hub id")
     student_shape = model_shape("model.student", cfg.model.student, check_files)
+    tokenizers: dict = {}  # checkpoint -> TokenizerInfo, each tokenizer loaded once
+    _check_student_vocab(student_shape, load_tokenizer_info("model.student", cfg.model.student,
+                                                             tokenizers))
     _check_rest(cfg, check_files)
-    _check_teachers(cfg, student_shape, check_files)
-    _check_loss(cfg)
+    _check_teachers(cfg, student_shape, tokenizers, check_files)
+    _check_loss(cfg, student_shape)
     _check_parallel(cfg, student_shape)
     return cfg

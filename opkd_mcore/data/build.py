@@ -9,7 +9,7 @@ from opkd_mcore.data.prompts import PromptDataset
 def build_datasets(cfg: DataSection) -> tuple[PromptDataset, PromptDataset | None]:
     """(train, held-out or None): from files, or the synthetic task when no train file is set."""
     keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                data_source_key=cfg.data_source_key)
+                data_source_key=cfg.data_source_key, messages_key=cfg.messages_key)
     if cfg.train_path is not None:
         train = PromptDataset.from_file(cfg.train_path, **keys)
         held_out = PromptDataset.from_file(cfg.eval_path, **keys) if cfg.eval_path else None
@@ -21,7 +21,33 @@ def build_datasets(cfg: DataSection) -> tuple[PromptDataset, PromptDataset | Non
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt; the tokenizer's BOS first when it has one and did not add it."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    bos = tokenizer.bos_token_id
-    return ids if bos is None or (ids and ids[0] == bos) else [bos] + ids
+    """Token ids of a text prompt exactly as `tokenizer(text)` gives them (its special tokens, e.g. a
+    BOS, included): what a user of the exported checkpoint, or vLLM's text prompts, will feed."""
+    return [int(t) for t in tokenizer(text)["input_ids"]]
+
+
+def encode_chat(tokenizer, messages: list[dict], *, source: str = "prompt") -> list[int]:
+    """Token ids of a chat (list of {"role", "content"}) through the tokenizer's chat template, with
+    the assistant turn opened (`add_generation_prompt`), as vLLM's chat API does."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{source}: chat messages need a chat template, and the tokenizer "
+                         f"({getattr(tokenizer, 'name_or_path', '?')}) has none; set data.chat_template: "
+                         "none and give text prompts")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return [int(t) for t in ids]
+
+
+def encode_record(tokenizer, dataset: PromptDataset, index: int, chat_template: str = "auto") -> list[int]:
+    """Token ids of record `index`: `messages` through the chat template, a text prompt raw (or as
+    one user turn when `chat_template` is "always")."""
+    messages = dataset.messages(index)
+    source = f"data record {index}"
+    if messages is not None:
+        if chat_template == "none":
+            raise ValueError(f"{source}: has chat messages ({dataset.messages_key!r}) but "
+                             "data.chat_template is 'none'; give a text prompt or use 'auto'")
+        return encode_chat(tokenizer, messages, source=source)
+    if chat_template == "always":
+        return encode_chat(tokenizer, [{"role": "user", "content": dataset.prompt(index)}], source=source)
+    return encode_prompt(tokenizer, dataset.prompt(index))

@@ -28,15 +28,22 @@ class PromptDataset:
     """Prompt records with a prompt column, and optionally answer and data-source columns."""
 
     def __init__(self, records: list[dict], *, prompt_key: str = "prompt", answer_key: str = "answer",
-                 data_source_key: str = "data_source", name: str = "dataset"):
+                 data_source_key: str = "data_source", messages_key: str = "messages",
+                 name: str = "dataset"):
         if not records:
             raise ValueError(f"{name}: no records")
         for i, row in enumerate(records):
-            if prompt_key not in row:
-                raise ValueError(f"{name}: record {i} has no prompt column {prompt_key!r} "
-                                 f"(columns: {sorted(row)})")
+            if prompt_key not in row and messages_key not in row:
+                raise ValueError(f"{name}: record {i} has neither a prompt column {prompt_key!r} nor "
+                                 f"chat messages {messages_key!r} (columns: {sorted(row)})")
+            messages = row.get(messages_key)
+            if messages is not None and not (isinstance(messages, list) and messages and all(
+                    isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
+                raise ValueError(f"{name}: record {i}: {messages_key!r} must be a non-empty list of "
+                                 "{'role', 'content'} objects")
         self.records = records
         self.prompt_key, self.answer_key, self.data_source_key = prompt_key, answer_key, data_source_key
+        self.messages_key = messages_key
 
     @classmethod
     def from_file(cls, path: str, **keys) -> "PromptDataset":
@@ -48,7 +55,15 @@ class PromptDataset:
         return len(self.records)
 
     def prompt(self, i: int) -> str:
-        return self.records[i][self.prompt_key]
+        """The text prompt (for a chat record without one: its last user message)."""
+        row = self.records[i]
+        if self.prompt_key in row:
+            return row[self.prompt_key]
+        return next(m["content"] for m in reversed(row[self.messages_key]) if m["role"] == "user")
+
+    def messages(self, i: int) -> list[dict] | None:
+        """The chat messages of record i, or None for a text-only record."""
+        return self.records[i].get(self.messages_key)
 
     def answer(self, i: int) -> str | None:
         return self.records[i].get(self.answer_key)

@@ -1,14 +1,16 @@
 """Adapter from `kd_loss` to the fused kernels of `opkd_kernels` (Triton; the C++ twin on CPU).
 
-`kd_loss(impl="auto" | "fused")` calls `fused_kd_loss_or_none` after validating its inputs. It
-returns the per-token loss (autograd-aware, the same contract and TP all-reduces as the reference
-path) or None when no kernel covers the case, and `kd_loss` then takes the reference path.
+`kd_loss(impl="auto" | "fused" | "triton" | "cpp")` calls `fused_kd_loss_or_none` after
+validating its inputs. It returns the per-token loss (autograd-aware, the same contract and TP
+all-reduces as the reference path) and the row statistics, or None when no kernel covers the case;
+`kd_loss` then takes the reference path for "auto" and raises for the others.
 
 Covered: student logits in float32 / bfloat16 / float16 (float64 means "exact maths", which is the
 reference path's job); every divergence, support, mass and coverage option of `kd_loss`.
-Where: tensors on which `opkd_mcore.platform.triton_kernels_usable` says yes (Triton), and on CPU
-the C++ twin when it was built and `OPKD_CPU_TWIN=1` (off by default: the issue keeps CPU runs on
-the reference path; the twin is for CPU-only deployments and for its benchmark).
+Where ("auto"): tensors on which `opkd_mcore.platform.triton_kernels_usable` says yes run the
+Triton kernels; CPU tensors run the C++ twin when it was built (said once in the log when it was
+not); anything else (Ascend NPU) the reference path. "triton" / "cpp" force one backend (tests,
+benchmarks, and the Triton interpreter on CPU).
 
 The gradient is written into the student-logits buffer when the logits are a model output (not a
 leaf tensor), as Megatron's vocab-parallel cross entropy does; autograd then refuses any other
@@ -16,8 +18,9 @@ backward that saved the same logits, instead of silently reading overwritten val
 """
 from __future__ import annotations
 
+import functools
 import logging
-import os
+from types import SimpleNamespace
 
 import torch
 
@@ -26,37 +29,70 @@ from opkd_mcore.platform import device as platform_device
 
 log = logging.getLogger(__name__)
 
-_CPU_TWIN_ENV = "OPKD_CPU_TWIN"
 _COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BACKENDS = ("auto", "triton", "cpp")
 
 
-def _backend_name(student_logits: torch.Tensor, backend: str) -> str | None:
+@functools.lru_cache(maxsize=None)
+def _say_twin_missing() -> None:
+    log.warning("kd_loss: the C++ CPU twin (opkd_kernels._cpu) is not built; the loss runs on the "
+                "torch reference path (reinstall with a C++ compiler to get it)")
+
+
+def _cpu_twin_built() -> bool:
+    from opkd_kernels import cpu_backend
+
+    return cpu_backend.available()
+
+
+def backend_for(student_logits: torch.Tensor, backend: str = "auto") -> str | None:
+    """The fused backend that would run on `student_logits` ("triton" | "cpp"), or None."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    if student_logits.dtype not in _COVERED_DTYPES:
+        return None
     if backend != "auto":
         return backend
     if platform_device.triton_kernels_usable(student_logits):
         return "triton"
-    if student_logits.device.type == "cpu" and os.environ.get(_CPU_TWIN_ENV) == "1":
-        return "cpp"
+    if student_logits.device.type == "cpu":
+        if _cpu_twin_built():
+            return "cpp"
+        _say_twin_missing()
     return None
+
+
+def require_fused(impl: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Before a run: the fused backend `impl` will use on `device`/`dtype` (None for "reference",
+    or "auto" without kernels); ValueError naming `loss.impl` when a requested one cannot run."""
+    if impl == "reference":
+        return None
+    # dispatch reads only these two attributes: no allocation (which would open a device context)
+    probe = SimpleNamespace(device=torch.device(device), dtype=dtype)
+    name = backend_for(probe, "auto" if impl in ("auto", "fused") else impl)
+    if name is not None:
+        from opkd_kernels.fused_kd import select_backend
+
+        name = name if select_backend(probe, name) is not None else None
+    if name is None and impl != "auto":
+        raise ValueError(f"loss.impl: {impl!r} cannot run here: no fused kernel for {dtype} logits on "
+                         f"a {device.type} device (Triton needs a GPU or TRITON_INTERPRET=1; the C++ "
+                         "twin needs the opkd_kernels._cpu extension); use impl: auto or reference")
+    return name
 
 
 def fused_kd_loss_or_none(student_logits: torch.Tensor, teacher, *, divergence: str = "forward_kl",
                           beta: float = 0.5, temperature: float = 1.0, support: str | None = None,
                           k: int | None = None, mass: str = "renorm", coverage_coef: float = 0.0,
-                          tp_group=None, backend: str = "auto",
-                          inplace_grad: bool | None = None) -> torch.Tensor | None:
+                          tp_group=None, backend: str = "auto", inplace_grad: bool | None = None,
+                          return_masses: bool = False):
     """Per-token loss `[N]` float32 from the fused kernels, or None if they do not cover the case.
 
     Same keywords as `kd_loss` (inputs already validated by it), plus `backend` ("auto" | "triton"
-    | "cpp": force one, for tests and benchmarks) and `inplace_grad` (None = in place unless the
-    logits are a leaf tensor).
+    | "cpp") and `inplace_grad` (None = in place unless the logits are a leaf tensor). With
+    `return_masses`: `(loss, teacher_mass [N], student_mass [N], support_ids [N, K] | None)`.
     """
-    if student_logits.dtype not in _COVERED_DTYPES:
-        return None
-    name = _backend_name(student_logits, backend)
+    name = backend_for(student_logits, backend)
     if name is None:
         return None
     from opkd_kernels.fused_kd import KdSpec, fused_kd_loss, select_backend
@@ -74,5 +110,7 @@ def fused_kd_loss_or_none(student_logits: torch.Tensor, teacher, *, divergence: 
 
         # The same support selection as the reference path (ties, top-k of a wider teacher).
         ids, logprobs, _ = select_support(student_logits, teacher, support=support, k=k, group=tp_group)
-    return fused_kd_loss(student_logits, dense, ids, logprobs, spec=spec, tp_group=tp_group,
-                         backend=impl, inplace_grad=inplace_grad)
+    loss, teacher_mass, student_mass = fused_kd_loss(
+        student_logits, dense, ids, logprobs, spec=spec, tp_group=tp_group, backend=impl,
+        inplace_grad=inplace_grad, return_masses=True)
+    return (loss, teacher_mass, student_mass, ids) if return_masses else loss

@@ -2,7 +2,8 @@
 
 Dispatch: after validation, `impl="auto"` uses `opkd_mcore.losses.fused.fused_kd_loss_or_none` when
 that module exists and covers the configuration/device, else the reference path below;
-`impl="reference"` always takes the reference path; `impl="fused"` fails if no fused path applies.
+`impl="reference"` always takes the reference path; `impl="fused"` fails if no fused path applies,
+and `"triton"` / `"cpp"` force that backend (failing likewise).
 
 The reference path is two autograd Functions over the sharded vocabulary: `FullVocabKD`
 (`support=None`) and `SupportKD` (sparse support). Neither syncs with the host; `validate=True`
@@ -54,7 +55,7 @@ def kd_loss(student_logits: torch.Tensor, teacher: DenseTeacher | TopKTeacher, *
         mass: "renorm" | "tail" | "raw" (forward KL only) on a sparse support.
         coverage_coef: weight of TCAD's coverage term -log Σ_S q.
         tp_group: the tensor-parallel process group the vocabulary is sharded over (None = TP 1).
-        impl: "auto" | "reference" | "fused".
+        impl: "auto" | "reference" | "fused" | "triton" | "cpp".
         validate: also check tensor contents (host syncs); options and shapes are always checked.
         token_chunk: reference path only: process this many tokens at a time, so the temporaries
             are O(token_chunk * V_local) instead of O(N * V_local) (long responses); each chunk
@@ -69,12 +70,12 @@ def kd_loss(student_logits: torch.Tensor, teacher: DenseTeacher | TopKTeacher, *
 
 def kd_loss_with_stats(student_logits, teacher, *, overlap_k: int | None = None, **kwargs
                        ) -> tuple[torch.Tensor, KDStats]:
-    """`kd_loss` on the reference path, plus `KDStats` for logging.
+    """`kd_loss` (same keywords and dispatch), plus `KDStats` for logging.
 
-    `overlap_k` sizes the top-k overlap metric (default: `k`, or the teacher's K). Computing the
-    overlap costs one extra sharded top-k of the student logits.
+    The masses come from the loss's own support tensors (fused kernels included: no extra pass
+    over the vocabulary). `overlap_k` sizes the top-k overlap metric (default: `k`, or the
+    teacher's K); it costs one sharded top-k of the student logits in their own dtype.
     """
-    kwargs.setdefault("impl", "reference")
     return _kd_loss(student_logits, teacher, with_stats=True, overlap_k=overlap_k, **kwargs)
 
 
@@ -90,14 +91,19 @@ def _kd_loss(student_logits, teacher, *, divergence="forward_kl", beta=0.5, temp
     validation.check_shapes(student_logits, teacher, k=k, tp_size=tp_size)
     if validate:
         validation.check_values(teacher, vocab=student_logits.shape[1] * tp_size)
-    if impl in ("auto", "fused") and not with_stats:
-        fused = _try_fused(student_logits, teacher, tp_group=tp_group, **opts)
+    if impl != "reference":
+        fused = _try_fused(student_logits, teacher, tp_group=tp_group, return_masses=True,
+                           backend="auto" if impl == "fused" else impl, **opts)
         if fused is not None:
-            return fused, None
-        if impl == "fused":
-            raise ValueError("impl: 'fused' was requested but no fused kernel covers this "
+            loss, teacher_mass, student_mass, ids = fused
+            if not with_stats:
+                return loss, None
+            overlap = _fused_overlap(student_logits, teacher, ids, support, overlap_k or k, tp_group)
+            return loss, KDStats(teacher_mass, student_mass, overlap)
+        if impl != "auto":
+            raise ValueError(f"impl: {impl!r} was requested but no fused kernel covers this "
                              f"configuration/device ({divergence=}, {support=}, {mass=}, "
-                             f"device={student_logits.device.type})")
+                             f"dtype={student_logits.dtype}, device={student_logits.device.type})")
     if token_chunk is None or student_logits.shape[0] <= token_chunk:
         return _reference_path(student_logits, teacher, opts, tp_group, with_stats, overlap_k)
     chunks = zip(torch.split(student_logits, token_chunk), _split_rows(teacher, token_chunk))
@@ -137,6 +143,17 @@ def _reference_path(student_logits, teacher, opts, tp_group, with_stats, overlap
         return loss, None
     overlap = _overlap(student_logits, teacher, ids, student_topk, support, overlap_k, tp_group)
     return loss, KDStats(teacher_mass, student_mass, overlap)
+
+
+@torch.no_grad()
+def _fused_overlap(student_logits, teacher, support_ids, support, overlap_k, group):
+    """Top-k overlap for the fused path (None when no k is known for a full-vocabulary loss)."""
+    if support is not None:
+        return _overlap(student_logits, teacher, support_ids, None, support, overlap_k, group)
+    if overlap_k is None:
+        return None
+    return topk_overlap(vp.sharded_topk(teacher.logits.detach(), overlap_k, group),
+                        vp.sharded_topk(student_logits.detach(), overlap_k, group))
 
 
 def _try_fused(student_logits, teacher, **kd_kwargs):

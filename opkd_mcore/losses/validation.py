@@ -15,7 +15,7 @@ from opkd_mcore.losses.support_kd import MASSES
 from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, TopKTeacher
 
 SUPPORTS = (None, "teacher", "union")
-IMPLS = ("auto", "reference", "fused")
+IMPLS = ("auto", "reference", "fused", "triton", "cpp")
 
 
 def _choice(name: str, value, allowed) -> None:

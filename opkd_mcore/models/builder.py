@@ -116,13 +116,14 @@ def default_params_dtype() -> torch.dtype:
 
 def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
                 make_vocab_size_divisible_by: int = 1, use_te: bool | None = None,
-                **config_overrides) -> list:
+                padded_vocab: int | None = None, **config_overrides) -> list:
     """GPTModel chunks of this rank (one per VPP chunk, a single one without VPP).
 
     `params_dtype` defaults to fp32 on CPU and bf16 on accelerators. The vocabulary is padded to a
     multiple of `make_vocab_size_divisible_by * tp`; the padded rows are zero after loading and are
-    dropped on export (`ModelLayout.vocab_size` is the real size). Extra keyword arguments override
-    `TransformerConfig` fields (e.g. `recompute_granularity`).
+    dropped on export (`ModelLayout.vocab_size` is the real size). `padded_vocab` pads to exactly that
+    many rows instead (a student and its teacher share one vocabulary layout that way). Extra keyword
+    arguments override `TransformerConfig` fields (e.g. `recompute_granularity`).
     """
     from megatron.core import parallel_state as ps
 
@@ -139,6 +140,11 @@ def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
     config = transformer_config(bridge, dtype, **config_overrides)
     spec = layer_spec(bridge, use_te)
     padded = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
+    if padded_vocab is not None:
+        if padded_vocab < hf_config.vocab_size or padded_vocab % tp:
+            raise ValueError(f"padded_vocab: expected a multiple of tp={tp} that is >= the vocabulary "
+                             f"{hf_config.vocab_size}, got {padded_vocab}")
+        padded = padded_vocab
     chunks = []
     for vp_stage in (range(vpp) if vpp else [None]):
         model = _make_chunk(config, spec, bridge, padded, vp_stage)

@@ -38,8 +38,11 @@ class TinyModelShape:
 
 
 def make_char_tokenizer(alphabet: str):
-    """A character-level `PreTrainedTokenizerFast`: ids 0..2 are <pad>, <bos>, <eos>, then `alphabet`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A character-level `PreTrainedTokenizerFast`: ids 0..2 are <pad>, <bos>, <eos>, then `alphabet`.
+
+    It puts <bos> before every text it encodes (`tokenizer(text)`, and vLLM's text prompts), as
+    Llama-style tokenizers do: the saved checkpoint then gets the prompts it was trained on."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -48,6 +51,9 @@ def make_char_tokenizer(alphabet: str):
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
+    bos = SPECIAL_TOKENS[1]
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
         unk_token="<pad>", clean_up_tokenization_spaces=False,

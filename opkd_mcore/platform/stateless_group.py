@@ -7,11 +7,21 @@ group-local. The default group, if any, is not touched.
 gloo and nccl groups are built here from torch alone, so a trainer without vLLM and a vLLM worker
 build them the same way (both ends must: the store keys differ between implementations). Other
 backends (hccl) go through vLLM's platform layer (vllm-ascend), which knows how to make them.
+
+Rank 0 serves the store on a socket it binds itself (`listen_for_group`) before any peer is told the
+port: choosing a port by binding and closing it, then binding it again later, lets another process
+take it in between. `listen_for_group` binds the wanted port and, when it is taken (EADDRINUSE), lets
+the OS pick a free one; the caller tells the peers the port it got. The socket is bound to the group's
+host only, so a store meant for 127.0.0.1 is not reachable from other machines.
 """
 from __future__ import annotations
 
+import errno
 import importlib.util
+import inspect
 import logging
+import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -26,6 +36,65 @@ _TORCH_BUILT = ("gloo", "nccl")
 _STORES: dict[int, object] = {}  # id(group) -> its TCP store, which must outlive the group
 
 
+class PortInUseError(OSError):
+    """The exact port a group was told to use is held by another process."""
+
+
+@dataclass
+class GroupListener:
+    """A listening socket on `host:port`, held by rank 0 until its TCP store takes it over."""
+
+    host: str
+    port: int
+    sock: socket.socket | None
+
+    def take(self) -> socket.socket:
+        """Hand the socket over (once): the store now owns it."""
+        if self.sock is None:
+            raise RuntimeError(f"group listener {self.host}:{self.port}: socket already handed to a store")
+        sock, self.sock = self.sock, None
+        return sock
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # a port left in TIME_WAIT by an earlier run is free to reuse; a listening one is still refused
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listen_for_group(host: str, port: int, *, move_if_taken: bool = True) -> GroupListener:
+    """Bind and listen on `host:port` for a group's store (rank 0). Port 0, or a taken port when
+    `move_if_taken`, gets a free port from the OS; the returned listener holds the port actually bound,
+    which is what the peers must be told."""
+    try:
+        sock = _bind(host, port)
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            raise OSError(err.errno,
+                          f"weight-sync group {host}:{port}: cannot listen ({err.strerror})") from err
+        if not move_if_taken:
+            raise PortInUseError(errno.EADDRINUSE, f"weight-sync group {host}:{port}: the port is taken by "
+                                 "another process, and the peers were told this port; bind the group "
+                                 "first (it then moves to a free port and tells the peers)") from err
+        sock = _bind(host, 0)
+        logger.warning("weight-sync group: port %d on %s is taken by another process; using %d instead",
+                       port, host, sock.getsockname()[1])
+    return GroupListener(host, sock.getsockname()[1], sock)
+
+
 def _torch_backend(backend: str, store, rank: int, world_size: int, timeout: timedelta):
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout), torch.device("cpu"), \
@@ -38,10 +107,25 @@ def _torch_backend(backend: str, store, rank: int, world_size: int, timeout: tim
     raise ValueError(f"backend: expected one of {_TORCH_BUILT}, got {backend!r}")
 
 
+def _torch_store(host: str, port: int, rank: int, world_size: int, join_timeout: timedelta,
+                 listener: GroupListener | None) -> dist.TCPStore:
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=join_timeout,
+                             wait_for_workers=True)
+    listener = listener or listen_for_group(host, port, move_if_taken=False)
+    fd = listener.take().detach()
+    try:
+        return dist.TCPStore(host, listener.port, world_size, is_master=True, timeout=join_timeout,
+                             wait_for_workers=True, master_listen_fd=fd)
+    except BaseException:
+        socket.close(fd)
+        raise
+
+
 def _torch_stateless_group(host: str, port: int, rank: int, world_size: int, backend: str,
-                           timeout: timedelta, join_timeout: timedelta) -> dist.ProcessGroup:
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=join_timeout,
-                          wait_for_workers=True)
+                           timeout: timedelta, join_timeout: timedelta,
+                           listener: GroupListener | None) -> dist.ProcessGroup:
+    store = _torch_store(host, port, rank, world_size, join_timeout, listener)
     store.set_timeout(timeout)
     prefix_store = dist.PrefixStore(f"opkd_stateless/{host}:{port}", store)
     pg = dist.ProcessGroup(prefix_store, rank, world_size)
@@ -55,23 +139,39 @@ def _torch_stateless_group(host: str, port: int, rank: int, world_size: int, bac
 
 def new_stateless_group(host: str, port: int, rank: int, world_size: int, *,
                         backend: str | None = None, timeout_s: float = 600.0,
-                        join_timeout_s: float | None = None) -> dist.ProcessGroup:
+                        join_timeout_s: float | None = None,
+                        listener: GroupListener | None = None) -> dist.ProcessGroup:
     """Join a group of `world_size` processes: blocks until all have joined or `join_timeout_s`
-    (default `timeout_s`) passes; collectives on the group then time out after `timeout_s`."""
+    (default `timeout_s`) passes; collectives on the group then time out after `timeout_s`.
+
+    Rank 0 serves the store on `listener` (from `listen_for_group`, already on the port the peers
+    were told); without one it binds exactly `port` and raises `PortInUseError` when that is taken."""
     backend = backend or collective_backend()
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
+    if listener is not None and (rank != 0 or listener.port != port):
+        raise ValueError(f"listener: only rank 0 serves the store, on the group's port {port}; got rank "
+                         f"{rank} with a listener on port {listener.port}")
     timeout = timedelta(seconds=timeout_s)
     join_timeout = timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
     if backend in _TORCH_BUILT:
-        return _torch_stateless_group(host, port, rank, world_size, backend, timeout, join_timeout)
+        return _torch_stateless_group(host, port, rank, world_size, backend, timeout, join_timeout, listener)
+    return _vllm_stateless_group(host, port, rank, world_size, backend, max(timeout, join_timeout), listener)
+
+
+def _vllm_stateless_group(host: str, port: int, rank: int, world_size: int, backend: str,
+                          timeout: timedelta, listener: GroupListener | None) -> dist.ProcessGroup:
     if importlib.util.find_spec("vllm") is None:
         raise ValueError(f"backend: a stateless {backend!r} group needs vLLM's platform layer "
                          "(vllm-ascend for hccl); it is not installed")
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group as init_group
 
-    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, backend,
-                                                          timeout=max(timeout, join_timeout))
+    kwargs = {}
+    if rank == 0 and "listen_socket" in inspect.signature(init_group).parameters:
+        kwargs["listen_socket"] = (listener or listen_for_group(host, port, move_if_taken=False)).take()
+    elif listener is not None:  # an older vLLM binds the port itself: free it just before
+        listener.close()
+    return init_group(host, port, rank, world_size, backend, timeout=timeout, **kwargs)
 
 
 def destroy_stateless_group(pg: dist.ProcessGroup) -> None:

@@ -7,6 +7,8 @@ so every sample of a call is generated with one version of the weights, the one 
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -22,6 +24,12 @@ def sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_sleep_mode_available())
+
+
+def sample_seed(*parts: int) -> int:
+    """A 31-bit seed mixed from integers (stable across processes and Python versions)."""
+    digest = hashlib.blake2b(":".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 def to_sampling_params(sampling: SamplingConfig, *, logprobs: int = 0):
@@ -147,13 +155,9 @@ class VllmRollout:
 
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat (list of {"role", "content"}) through the tokenizer's chat template."""
-        tokenizer = self.llm.get_tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"prompts: chat messages given, but the tokenizer of {self.model_dir} "
-                             "has no chat template; pass token ids instead")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
-        return [int(t) for t in ids]
+        from opkd_mcore.data.build import encode_chat
+
+        return encode_chat(self.llm.get_tokenizer(), messages, source=f"prompts ({self.model_dir})")
 
     def _prompt_ids(self, prompts: Sequence) -> list[list[int]]:
         out = []
@@ -181,24 +185,45 @@ class VllmRollout:
             self._cond.notify_all()
 
     def generate(self, prompts: Sequence, sampling: SamplingConfig | None = None,
-                 data: Sequence[dict] | None = None) -> list[Sample]:
+                 data: Sequence[dict] | None = None, seeds: Sequence[int] | None = None) -> list[Sample]:
         """n samples per prompt, prompt-major (prompt 0's n samples first).
 
         `prompts`: token-id lists, or chat message lists. `data[i]` is attached to prompt i's samples.
+        Seeding: with `seeds` (one per prompt) or `sampling.seed` set, sample j of prompt i is its own
+        request seeded with `sample_seed(seed_i, j)` (seed_i = `sample_seed(sampling.seed, i)` when
+        no `seeds` are given): samples are reproducible and independent of each other, of how the
+        prompts are batched, and of the other prompts. Without either, vLLM's own stream is used.
         """
         sampling = sampling or SamplingConfig()
         if data is not None and len(data) != len(prompts):
             raise ValueError(f"data: expected one dict per prompt ({len(prompts)}), got {len(data)}")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: expected one seed per prompt ({len(prompts)}), got {len(seeds)}")
         prompt_ids = self._prompt_ids(prompts)
-        params = to_sampling_params(sampling)
+        requests, owners = self._requests(prompt_ids, sampling, seeds)
         version = self._enter()
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+            outputs = self.llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in owners], requests,
                                         use_tqdm=self.cfg.use_tqdm)
         finally:
             self._exit()
         return [self._to_sample(prompt_ids[i], c, version, i, data[i] if data else {})
-                for i, out in enumerate(outputs) for c in out.outputs]
+                for i, out in zip(owners, outputs) for c in out.outputs]
+
+    @staticmethod
+    def _requests(prompt_ids, sampling: SamplingConfig, seeds) -> tuple[list, list[int]]:
+        """vLLM sampling params per request and the prompt each request belongs to (prompt-major)."""
+        if seeds is None and sampling.seed is None:
+            return [to_sampling_params(sampling)] * len(prompt_ids), list(range(len(prompt_ids)))
+        if seeds is None:
+            seeds = [sample_seed(sampling.seed, i) for i in range(len(prompt_ids))]
+        one = dataclasses.replace(sampling, n=1)
+        params, owners = [], []
+        for i, seed in enumerate(seeds):
+            for j in range(sampling.n):
+                params.append(to_sampling_params(dataclasses.replace(one, seed=sample_seed(seed, j))))
+                owners.append(i)
+        return params, owners
 
     @staticmethod
     def _to_sample(prompt_ids, completion, version, group_id, data) -> Sample:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, TopKTeacher
-from opkd_mcore.teacher.base import Teacher, TeacherOutput, check_sequences
+from opkd_mcore.teacher.base import Teacher, TeacherOutput, check_outputs, check_sequences
 
 
 class TransformersTeacher(Teacher):
@@ -35,7 +35,8 @@ class TransformersTeacher(Teacher):
     def score(self, sequences: Sequence[Sequence[int]]) -> list[TeacherOutput]:
         self.calls += 1
         out = []
-        for seq in check_sequences(sequences):
+        seqs = check_sequences(sequences)
+        for seq in seqs:
             logits = self.model(torch.tensor([seq])).logits[0, :-1].float() / self.temperature
             if self.k is None:
                 out.append(DenseTeacher(logits=logits))
@@ -45,4 +46,5 @@ class TransformersTeacher(Teacher):
             ids = torch.nn.functional.pad(ids, (0, pad), value=PAD_ID)
             values = torch.nn.functional.pad(values, (0, pad), value=float("-inf"))
             out.append(TopKTeacher(ids=ids, logprobs=values.float()))
+        check_outputs(seqs, out, self.address)  # NaN from the model is an error naming it
         return out

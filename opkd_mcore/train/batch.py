@@ -31,6 +31,7 @@ class PackedBatch:
     teacher: DenseTeacher | TopKTeacher | None = None  # per-token teacher rows (row t scores t+1)
     sampler_logprobs: torch.Tensor | None = None  # [T] logprob of token t+1 under the rollout sampler
     sequence_weights: torch.Tensor | None = None  # [B] per-sequence weights (e.g. teacher confidence)
+    task_advantages: torch.Tensor | None = None  # [T] task-reward advantage of the sequence, on its response rows
     meta: dict = field(default_factory=dict)  # free-form bookkeeping (never read by the engine)
     # longest sequence, read once at construction: Megatron wants a host int per micro-batch, and
     # reading it from device tensors there would stall the pipeline
@@ -67,7 +68,7 @@ class PackedBatch:
         if t.dim() != 1 or t.dtype != torch.int64:
             raise ValueError(f"tokens: expected a 1-D int64 tensor [T], got {tuple(t.shape)} {t.dtype}")
         n = t.numel()
-        for name in ("position_ids", "loss_mask", "sampler_logprobs"):
+        for name in ("position_ids", "loss_mask", "sampler_logprobs", "task_advantages"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (n,):
                 raise ValueError(f"{name}: expected shape ({n},) like tokens, got {tuple(value.shape)}")
@@ -118,13 +119,15 @@ def _teacher_rows(teacher) -> int:
 def pack_sequences(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], *,
                    sampler_logprobs: Sequence[Sequence[float]] | None = None,
                    teacher: DenseTeacher | TopKTeacher | None = None,
-                   sequence_weights: torch.Tensor | None = None) -> PackedBatch:
+                   sequence_weights: torch.Tensor | None = None,
+                   task_advantages: Sequence[float] | None = None) -> PackedBatch:
     """Pack prompt+response token lists into one `PackedBatch`.
 
     `prompt_lengths[i]` is the number of prompt tokens at the start of `sequences[i]`; the loss
     covers the positions that predict the remaining (response) tokens. `sampler_logprobs[i]`, if
     given, holds one logprob per response token of sequence i and is placed at the predicting
-    positions. `teacher` must already have one row per packed token.
+    positions. `teacher` must already have one row per packed token. `task_advantages[i]`, if
+    given, is sequence i's task-reward advantage, placed on its response rows.
     """
     if len(sequences) == 0:
         raise ValueError("sequences: expected at least one sequence, got none")
@@ -143,9 +146,15 @@ def pack_sequences(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     loss_mask = torch.zeros(total, dtype=torch.float32)
     logprobs = None if sampler_logprobs is None else torch.zeros(total, dtype=torch.float32)
+    advantages = None if task_advantages is None else torch.zeros(total, dtype=torch.float32)
+    if task_advantages is not None and len(task_advantages) != len(sequences):
+        raise ValueError(f"task_advantages: expected {len(sequences)} values (one per sequence), "
+                         f"got {len(task_advantages)}")
     for i, (start, n, p) in enumerate(zip(cu[:-1].tolist(), lengths, prompt_lengths)):
         # position t predicts token t+1: positions p-1 .. n-2 predict the response tokens p .. n-1
         loss_mask[start + p - 1:start + n - 1] = 1.0
+        if advantages is not None:
+            advantages[start + p - 1:start + n - 1] = float(task_advantages[i])
         if logprobs is not None:
             row = sampler_logprobs[i]
             if len(row) != n - p:
@@ -153,7 +162,8 @@ def pack_sequences(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[
                                  f"token), got {len(row)}")
             logprobs[start + p - 1:start + n - 1] = torch.tensor(row, dtype=torch.float32)
     return PackedBatch(tokens=tokens, position_ids=position_ids, cu_seqlens=cu, loss_mask=loss_mask,
-                       teacher=teacher, sampler_logprobs=logprobs, sequence_weights=sequence_weights)
+                       teacher=teacher, sampler_logprobs=logprobs, sequence_weights=sequence_weights,
+                       task_advantages=advantages)
 
 
 def pad_for_pipeline(batch: PackedBatch, length: int) -> PackedBatch:

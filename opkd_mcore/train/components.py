@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from opkd_mcore.config.schema import TeacherSection, TrainConfig
+from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.train.optim import OptimConfig
 from opkd_mcore.train.stages import ShardLayout
 
@@ -51,17 +51,74 @@ def shard_layout(engine) -> ShardLayout:
     tp = ps.get_tensor_model_parallel_world_size()
     return ShardLayout(dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
                        tp_rank=ps.get_tensor_model_parallel_rank(),
-                       vocab_local=engine.padded_vocab_size // tp, padded_vocab=engine.padded_vocab_size)
+                       vocab_local=engine.padded_vocab_size // tp, padded_vocab=engine.padded_vocab_size,
+                       vocab_size=engine.vocab_size)
 
 
-def build_student(model_dir: str, optim: OptimConfig | None, params_dtype: str = "float32"):
-    """Megatron chunks of this rank loaded from an HF checkpoint, wrapped in a `MegatronEngine`."""
+def build_student(model_dir: str, optim: OptimConfig | None, params_dtype: str = "float32", *,
+                  padded_vocab: int | None = None, teacher=None):
+    """Megatron chunks of this rank loaded from an HF checkpoint, wrapped in a `MegatronEngine`
+    (with `teacher`, an `InStepTeacher`, run inside each training step)."""
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.train.engine import MegatronEngine
 
-    chunks = build_model(load_hf_config(model_dir), params_dtype=DTYPES[params_dtype])
+    chunks = build_model(load_hf_config(model_dir), params_dtype=DTYPES[params_dtype],
+                         padded_vocab=padded_vocab)
     load_hf_weights(chunks, model_dir)
-    return MegatronEngine(chunks, optim), chunks
+    return MegatronEngine(chunks, optim, teacher=teacher), chunks
+
+
+def student_vocab_size(cfg: TrainConfig) -> int:
+    """Token ids the student (and its rollout engine) can emit: its HF `vocab_size`."""
+    from opkd_mcore.models import load_hf_config
+
+    return load_hf_config(cfg.model.student).vocab_size
+
+
+def shared_padded_vocab(cfg: TrainConfig) -> tuple[int, int]:
+    """(padded vocabulary rows, the student's vocabulary): one layout for the student and an
+    in-step teacher, so row r of both logits shards is the same token id."""
+    from megatron.core import parallel_state as ps
+
+    from opkd_mcore.models import load_hf_config
+    from opkd_mcore.models.builder import padded_vocab_size
+    from opkd_mcore.train.teacher_setup import in_step_endpoint
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    student_vocab = student_vocab_size(cfg)
+    padded = padded_vocab_size(student_vocab, tp)
+    t = in_step_endpoint(cfg)
+    if t is not None:
+        padded = max(padded, padded_vocab_size(load_hf_config(t.model).vocab_size, tp))
+    return padded, student_vocab
+
+
+def task_rewards(cfg: TrainConfig):
+    """The reward functions of the run (rank 0 scores the samples), or None without task rewards."""
+    if not cfg.loss.task_reward_coef or not is_rank0():
+        return None
+    from opkd_mcore.data.rewards import TaskRewards
+
+    return TaskRewards(cfg.data.rewards)
+
+
+def check_loss_impl(cfg: TrainConfig) -> None:
+    """`loss.impl` that cannot be honoured on this device is an error before anything runs."""
+    from opkd_mcore.config import ConfigError
+    from opkd_mcore.losses.fused import require_fused
+    from opkd_mcore.platform import device_type
+
+    impl = cfg.loss.impl
+    if cfg.loss.form == "policy_gradient":
+        if impl not in ("auto", "reference"):
+            raise ConfigError(f"loss.impl: {impl!r} names a fused distillation kernel, but "
+                              "loss.form: policy_gradient uses Megatron's cross entropy; use auto")
+        return
+    try:
+        name = require_fused(impl, torch.device(device_type(cfg.run.device)), DTYPES[cfg.model.params_dtype])
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    logger.info("loss: %s", f"fused kernels ({name})" if name else "torch reference path")
 
 
 def build_rollout(cfg: TrainConfig, model_dir: str | None = None):
@@ -70,57 +127,13 @@ def build_rollout(cfg: TrainConfig, model_dir: str | None = None):
     from opkd_mcore.weight_sync.vllm_handle import RECEIVER_CLS
 
     ro = cfg.rollout
+    # raw logprobs (before temperature / top-p): the student's logprobs in the policy-gradient
+    # form are at T=1 too, so the importance ratio compares like with like at any temperature
     rc = RolloutConfig(dtype=cfg.model.params_dtype, max_model_len=ro.max_model_len,
                        gpu_memory_utilization=ro.gpu_memory_utilization,
-                       enforce_eager=ro.enforce_eager, seed=ro.seed, max_logprobs=1)
+                       enforce_eager=ro.enforce_eager, seed=ro.seed, max_logprobs=1,
+                       logprobs_mode="raw_logprobs")
     return VllmRollout(model_dir or cfg.model.student, rc, worker_extension_cls=RECEIVER_CLS)
-
-
-def _one_teacher(t, cfg: TrainConfig):
-    if t.backend == "vllm":
-        from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
-
-        return VllmTeacher(t.model, VllmTeacherConfig(
-            k=t.top_k, max_model_len=cfg.rollout.max_model_len, seed=cfg.rollout.seed,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization))
-    if t.backend == "remote":
-        from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher
-
-        return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k))
-    from opkd_mcore.teacher.hf_teacher import TransformersTeacher
-
-    if t.backend == "hf":
-        return TransformersTeacher(t.model, k=t.top_k)
-    # "megatron" (dense): full-vocabulary logits of one forward on rank 0, cut into TP shards by the
-    # trainer. A TP-sharded Megatron teacher engine would slot in here.
-    # raw logits: kd_loss applies loss.temperature to dense teacher logits itself
-    return TransformersTeacher(t.model, k=None)
-
-
-def _replicas(t, cfg: TrainConfig) -> list:
-    return [_one_teacher(dataclasses.replace(t, url=url), cfg) for url in [t.url, *t.replica_urls]] \
-        if t.replica_urls else [_one_teacher(t, cfg)]
-
-
-def build_teacher(cfg: TrainConfig):
-    """One teacher, or a router over several (by data source) and their replicas; rank 0 only."""
-    tcfg: TeacherSection = cfg.teacher
-    if len(tcfg.teachers) == 1 and not tcfg.teachers[0].replica_urls:
-        return _one_teacher(tcfg.teachers[0], cfg)
-    from opkd_mcore.teacher.router import TeacherRouter
-
-    teachers = {t.name: _replicas(t, cfg) for t in tcfg.teachers}
-    default = next((t.name for t in tcfg.teachers if not t.data_sources), None)
-    return TeacherRouter(teachers, field="teacher", default=default)
-
-
-def route_data(cfg: TrainConfig, data: dict) -> dict:
-    """Per-prompt data with the teacher it is routed to under key `teacher`."""
-    source = data.get("data_source")
-    for t in cfg.teacher.teachers:
-        if source in t.data_sources:
-            return {**data, "teacher": t.name}
-    return dict(data)
 
 
 def optim_config(cfg: TrainConfig) -> OptimConfig:
@@ -131,81 +144,59 @@ def optim_config(cfg: TrainConfig) -> OptimConfig:
 
 
 class WeightSyncer:
-    """Student (Megatron, every rank) -> rollout engine (vLLM on rank 0), over per-stage groups."""
+    """Student (Megatron, every rank) -> rollout engine (vLLM on rank 0), over per-stage groups;
+    the rollout engine is paused while its weights change and then carries the new version."""
 
     def __init__(self, chunks, rollout, cfg: TrainConfig, port: int | None = None):
+        from opkd_mcore.weight_sync.engine_link import EngineWeightSync
         from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
         from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle
 
-        port = port or int(os.environ.get("OPKD_SYNC_PORT", "0")) or _shared_free_port()
-        self.groups_cfg = SyncGroupsConfig(base_port=port, bucket_bytes=cfg.weight_sync.bucket_mb << 20,
-                                           transport=cfg.weight_sync.transport)
-        self.source = MegatronWeightSync(chunks, self.groups_cfg)
+        # a wanted port (moved if taken) or 0: stage owners bind a free port and tell the engine
+        port = port or int(os.environ.get("OPKD_SYNC_PORT", "0"))
+        groups_cfg = SyncGroupsConfig(host=cfg.weight_sync.host, base_port=port,
+                                      bucket_bytes=cfg.weight_sync.bucket_mb << 20,
+                                      transport=cfg.weight_sync.transport)
         self.rollout = rollout
-        self.handle = VllmSyncHandle(rollout.llm) if rollout is not None else None
-        self.timeout_s = self.groups_cfg.timeout_s
-        self._connect()
-
-    def _connect(self) -> None:
-        from opkd_mcore.weight_sync.vllm_handle import run_concurrently
-
-        if self.handle is None:
-            self.source.connect()
-            return
-        from megatron.core import parallel_state as ps
-
-        groups = self.groups_cfg.stage_groups(ps.get_pipeline_model_parallel_world_size())
-        run_concurrently({"rollout join": lambda: self.handle.join_async(groups).result(),
-                          "trainer join": self.source.connect}, self.timeout_s)
+        self.link = EngineWeightSync(MegatronWeightSync(chunks, groups_cfg),
+                                     VllmSyncHandle(rollout.llm) if rollout is not None else None)
+        self.link.connect()
 
     def sync(self, version: int) -> None:
-        from opkd_mcore.weight_sync.vllm_handle import run_concurrently
-
-        if self.handle is None:
-            self.source.sync(version)
+        if self.rollout is None:
+            self.link.sync(version)
             return
         self.rollout.pause()
         try:
-            run_concurrently({"receive": lambda: self.handle.receive_async().result(),
-                              "send": lambda: self.source.sync(version)}, self.timeout_s)
+            self.link.sync(version)
             self.rollout.set_weight_version(version)
         finally:
             self.rollout.resume()
 
     def close(self) -> None:
-        self.source.close()
-        if self.handle is not None:
-            self.handle.close()
-
-
-def _shared_free_port() -> int:
-    """A free port chosen on rank 0 and agreed by all ranks."""
-    import socket
-
-    from opkd_mcore.train.stages import share_from_rank0
-
-    port = None
-    if is_rank0():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    return share_from_rank0(port)
+        self.link.close()
 
 
 def build_run(cfg: TrainConfig, *, resume: bool = False):
     """Every part of a run on this rank (`loop.DistillationRun`), restored from the latest
-    checkpoint when `resume` and one exists (the rollout engine then gets the restored weights)."""
+    checkpoint when `resume` (one must exist; the rollout engine then gets the restored weights)."""
     from transformers import AutoTokenizer
 
     from opkd_mcore.data import PromptSampler, build_datasets
-    from opkd_mcore.train.checkpoint import latest_checkpoint, load_checkpoint
+    from opkd_mcore.train.checkpoint import load_checkpoint, require_checkpoint, rollout_version_on_resume
     from opkd_mcore.train.loop import DistillationRun
 
+    from opkd_mcore.train.teacher_setup import build_in_step_teacher, build_scoring_teacher
+
     # vLLM engines first: importing vLLM after the CPU emulation is on trips torch.compile
+    check_loss_impl(cfg)
     rollout = build_rollout(cfg) if is_rank0() else None
-    teacher = build_teacher(cfg) if is_rank0() else None
+    teacher = build_scoring_teacher(cfg, student_vocab_size(cfg)) if is_rank0() else None
     init_distributed(cfg)
-    engine, chunks = build_student(cfg.model.student, optim_config(cfg), cfg.model.params_dtype)
+    padded_vocab, student_vocab = shared_padded_vocab(cfg)
+    in_step = build_in_step_teacher(cfg, padded_vocab, student_vocab)
+    engine, chunks = build_student(cfg.model.student, optim_config(cfg), cfg.model.params_dtype,
+                                   padded_vocab=padded_vocab, teacher=in_step)
     syncer = WeightSyncer(chunks, rollout, cfg)
     train_set, _ = build_datasets(cfg.data)
     sampler = PromptSampler(len(train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
@@ -215,15 +206,14 @@ def build_run(cfg: TrainConfig, *, resume: bool = False):
     run = DistillationRun(cfg=cfg, engine=engine, chunks=chunks, rollout=rollout, teacher=teacher,
                           syncer=syncer, tokenizer=AutoTokenizer.from_pretrained(cfg.model.student),
                           dataset=train_set, sampler=sampler, shard=shard_layout(engine),
-                          tp_group=ps.get_tensor_model_parallel_group())
-    path = latest_checkpoint(cfg.run.output_dir) if resume else None
-    if path is not None:
-        run.state = load_checkpoint(path, engine)
+                          tp_group=ps.get_tensor_model_parallel_group(), rewards=task_rewards(cfg))
+    if resume:  # `entry.train` has checked the directory already; nothing to resume is an error
+        run.state = load_checkpoint(require_checkpoint(cfg.run.output_dir), engine)
         sampler.load_state_dict(run.state.sampler)
-        # the engine restarted from the initial checkpoint: give it the restored weights
+        # the engine restarted from the initial checkpoint: give it the restored weights, under the
+        # version the uninterrupted run's engine had (a new one if the checkpoint is between syncs)
+        run.state.weight_version = rollout_version_on_resume(run.state, cfg.weight_sync.every_steps)
         syncer.sync(run.state.weight_version)
-    elif resume:
-        logger.info("--resume: no checkpoint under %s, starting from step 0", cfg.run.output_dir)
     return run
 
 

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -155,7 +154,7 @@ def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = Non
     paths = {name: os.path.join(out, name) for name in ("teacher_init", "teacher_hf", "student_init",
                                                         "student_hf")}
     overrides = [f"model.student={paths['student_init']}", f"teacher.teachers.0.model={paths['teacher_hf']}",
-                 f"run.output_dir={out}", f"data.task_digits={demo.digits}",
+                 f"run.output_dir={out}", "run.overwrite=true", f"data.task_digits={demo.digits}",
                  f"data.num_eval={demo.num_eval}", *demo.overrides, *(extra_overrides or [])]
     cfg = load_config(CONFIG, overrides, validate=False)
     _, train_records, held_out = make_task(demo, cfg.data)

@@ -9,6 +9,9 @@ The engine owns the parallel training mechanics and nothing about distillation:
   `[T, V_local]` (Megatron's built-in cross entropy is never used);
 * clipping + optimizer step + LR schedule (`optim.clip_and_step`, correct on CPU too);
 * forward-only mode (`optim=None`) for a Megatron teacher or evaluation;
+* an optional dense teacher run inside the step (`train/teacher_in_step.py`): its TP-sharded
+  logits of each micro-batch reach `loss_fn` as the batch's `DenseTeacher`;
+* a step whose loss or gradient norm is not finite is skipped (counted, never applied);
 * checkpoints of model + optimizer + scheduler through `megatron.core.dist_checkpointing`
   (`train/engine_checkpoint.py`).
 
@@ -17,13 +20,16 @@ with bf16 the optimizer keeps fp32 main params.
 """
 from __future__ import annotations
 
+import copy
 import logging
+import math
 from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from opkd_mcore import platform
+from opkd_mcore.losses.teacher_outputs import DenseTeacher
 from opkd_mcore.train.batch import PackedBatch, pad_for_pipeline
 from opkd_mcore.train.optim import OptimConfig, build_optimizer, clip_and_step, ddp_config
 
@@ -41,14 +47,16 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     division by the token count: the caller's loss is normalised already."""
     from megatron.core.distributed import finalize_model_grads
 
-    return finalize_model_grads(model, num_tokens=None, **kwargs)
+    from opkd_mcore.train.teacher_in_step import unpair
+
+    return finalize_model_grads(unpair(model), num_tokens=None, **kwargs)
 
 
 class MegatronEngine:
     """Train (or only run) the GPTModel chunks of this rank (one per VPP chunk)."""
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], optim: OptimConfig | None = None, *,
-                 mask_vocab_padding: bool = True):
+                 mask_vocab_padding: bool = True, teacher=None):
         from megatron.core.utils import get_model_config
 
         if not model_chunks:
@@ -61,6 +69,10 @@ class MegatronEngine:
         self.vocab_size, self.padded_vocab_size = _vocab_sizes(model_chunks, mask_vocab_padding)
         self.optimizer = self.scheduler = None
         self.num_steps = 0
+        self.num_skipped_steps = 0  # steps whose loss or gradient norm was not finite
+        self.teacher = teacher  # InStepTeacher or None
+        if teacher is not None and self.vocab_size is not None:
+            teacher.vocab_size = min(teacher.vocab_size, self.vocab_size)
         # Pipeline stages exchange activations of one fixed shape: every micro-batch of a step is
         # padded to the longest (Megatron's shape exchange for variable lengths deadlocks in the
         # interleaved schedule and costs a round trip per micro-batch in the others).
@@ -107,19 +119,31 @@ class MegatronEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------ forward step
-    def _mask_padding(self, logits_local: torch.Tensor) -> torch.Tensor:
-        """Padded vocabulary columns (only on the last TP shards) get probability 0."""
-        if self.vocab_size is None or self.vocab_size == self.padded_vocab_size:
+    def _mask_padding(self, logits_local: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+        """Vocabulary columns >= `vocab_size` (padding; only on the last TP shards) get probability 0.
+
+        Written in place outside autograd: an autograd op here would cost one more [T, V_local]
+        buffer in backward, and the loss's gradient on those columns is exactly 0 anyway.
+        """
+        vocab_size = self.vocab_size if vocab_size is None else vocab_size
+        if vocab_size is None or vocab_size >= self.padded_vocab_size:
             return logits_local
         from megatron.core import parallel_state as ps
 
         width = logits_local.shape[-1]
-        start = ps.get_tensor_model_parallel_rank() * width
-        real = self.vocab_size - start
-        if real >= width:
-            return logits_local
-        column = torch.arange(width, device=logits_local.device)
-        return logits_local.masked_fill(column >= max(real, 0), PADDED_VOCAB_LOGIT)
+        real = vocab_size - ps.get_tensor_model_parallel_rank() * width
+        if real < width:
+            with torch.no_grad():
+                logits_local[..., max(real, 0):].fill_(PADDED_VOCAB_LOGIT)
+        return logits_local
+
+    @staticmethod
+    def _rows(output_tensor: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """[1, T_padded, V_local] -> [T, V_local]; a view when there is no pipeline padding, so
+        backward allocates nothing here."""
+        if output_tensor.shape[1] == num_tokens:
+            return output_tensor.squeeze(0)
+        return output_tensor[0, :num_tokens]
 
     def _run_model(self, model, batch: PackedBatch) -> torch.Tensor:
         return model(batch.tokens.unsqueeze(0), batch.position_ids.unsqueeze(0), attention_mask=None,
@@ -131,10 +155,15 @@ class MegatronEngine:
             batch, model_input = next(data_iterator)
             batch, model_input = batch.to(self.device), model_input.to(self.device)
             output = self._run_model(model, model_input)
+            if isinstance(output, tuple):  # last stage of a step with the teacher in it
+                output, teacher_out = output
+                teacher_logits = self._rows(teacher_out, batch.num_tokens)
+                batch = copy.copy(batch)  # the engine's own copy: the caller's batch is not changed
+                batch.teacher = DenseTeacher(self._mask_padding(teacher_logits, self.teacher.vocab_size))
 
             def loss_closure(output_tensor, non_loss_data: bool = False):
                 # [1, T_padded, V_local] -> [T, V_local]: the pipeline padding is cut off here
-                logits = self._mask_padding(output_tensor[0, :batch.num_tokens])
+                logits = self._mask_padding(self._rows(output_tensor, batch.num_tokens))
                 if non_loss_data:
                     return logits.detach()
                 loss, metrics = loss_fn(logits, batch)
@@ -149,7 +178,7 @@ class MegatronEngine:
         return forward_step
 
     def _run_schedule(self, micro_batches: list[PackedBatch], loss_fn, forward_only: bool,
-                      collect_logits: bool) -> list:
+                      collect_logits: bool, with_teacher: bool = False) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not micro_batches:
@@ -165,10 +194,15 @@ class MegatronEngine:
         inputs = [pad_for_pipeline(mb, seq_length) if self.pipelined else mb for mb in micro_batches]
         # one iterator per VPP chunk: every chunk reads the same micro-batches in the same order
         iterators = [iter(list(zip(micro_batches, inputs))) for _ in self.model]
+        model = self.model
+        if with_teacher:
+            from opkd_mcore.train.teacher_in_step import paired_chunks
+
+            model = paired_chunks(self.model, self.teacher, self.config)
         return get_forward_backward_func()(
             forward_step_func=self._forward_step_func(loss_fn),
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model if len(self.model) > 1 else self.model[0],
+            model=model if len(model) > 1 else model[0],
             num_microbatches=len(micro_batches),
             seq_length=seq_length, micro_batch_size=1,
             forward_only=forward_only, collect_non_loss_data=collect_logits,
@@ -182,7 +216,9 @@ class MegatronEngine:
         normalised by the global token count (so gradients are summed over micro-batches and DP);
         `metrics` values must be additive the same way (they are summed over micro-batches and DP).
         Returns the same metrics dict on every rank: `train/loss`, the loss_fn metrics,
-        `train/grad_norm`, `train/lr`, `train/update_applied`.
+        `train/grad_norm`, `train/lr`, `train/update_applied`, `train/skipped_steps` (steps so far
+        whose loss or gradient norm was not finite: those are never applied).
+        With a teacher in the step, each batch's `teacher` is replaced by the teacher's logits.
         """
         if self.optimizer is None:
             raise RuntimeError("train_step: this engine is forward-only (built with optim=None)")
@@ -191,15 +227,34 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         lr = self.lr
-        per_micro_batch = self._run_schedule(micro_batches, loss_fn, forward_only=False,
-                                             collect_logits=False)
-        applied, grad_norm = clip_and_step(self.optimizer, self.optim_config.clip_grad, self.on_cpu)
+        if self.teacher is not None:
+            self.teacher.acquire()
+        try:
+            per_micro_batch = self._run_schedule(micro_batches, loss_fn, forward_only=False,
+                                                 collect_logits=False, with_teacher=self.teacher is not None)
+        finally:
+            if self.teacher is not None:
+                self.teacher.release()
+        metrics = self._reduce_metrics(per_micro_batch)
+        if metrics.get("teacher/nonfinite_rows", 0.0) > 0:
+            from opkd_mcore.teacher.base import MalformedTeacherOutputError
+
+            raise MalformedTeacherOutputError(
+                f"teacher {self.teacher.name}: NaN in its logits for {metrics['teacher/nonfinite_rows']:.3g} "
+                "of the step's response tokens (fraction); no update applied")
+        finite_loss = math.isfinite(metrics.get("train/loss", 0.0))
+        applied, grad_norm = clip_and_step(self.optimizer, self.optim_config.clip_grad, self.on_cpu,
+                                           skip=not finite_loss)
         if applied:
             self.scheduler.step(increment=1)
             self.num_steps += 1
-        metrics = self._reduce_metrics(per_micro_batch)
+        elif not finite_loss or not math.isfinite(grad_norm):
+            self.num_skipped_steps += 1
+            logger.warning("step skipped: loss %s, gradient norm %s (not finite); no update applied",
+                           metrics.get("train/loss"), grad_norm)
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr,
-                        "train/update_applied": float(applied)})
+                        "train/update_applied": float(applied),
+                        "train/skipped_steps": float(self.num_skipped_steps)})
         return metrics
 
     @torch.no_grad()

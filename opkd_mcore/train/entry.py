@@ -1,6 +1,6 @@
 """`opkd train`: on-policy distillation, single process or SPMD under torchrun.
 
-    opkd train --config configs/x.yaml [--resume] [key.path=value ...]
+    opkd train --config configs/x.yaml [--resume | --overwrite] [key.path=value ...]
     torchrun --nproc_per_node 2 -m opkd_mcore.cli train --config configs/x.yaml parallel.tp=2
 
 Each step: prompts -> rollout (vLLM, n per prompt) -> teacher scoring -> student update (Megatron,
@@ -14,7 +14,7 @@ import os
 import sys
 
 from opkd_mcore.config import ConfigError, dump_config, load_config
-from opkd_mcore.train.checkpoint import save_checkpoint
+from opkd_mcore.train.checkpoint import prepare_run_dir, save_checkpoint
 from opkd_mcore.train.components import build_run, close_run, is_rank0
 from opkd_mcore.train.metrics import MetricsLogger
 
@@ -23,6 +23,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="opkd train", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML run config (see configs/)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh, deleting the checkpoints in output_dir (= run.overwrite=true)")
     p.add_argument("--export-only", action="store_true",
                    help="load the latest checkpoint, write <output_dir>/student_hf, and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loss.divergence=jsd")
@@ -38,10 +40,9 @@ def train(cfg, *, resume: bool = False, export_only: bool = False, step_hook=Non
 
     out = cfg.run.output_dir
     config_yaml = dump_config(cfg)
+    # before any engine starts: refuse what the output directory cannot serve, modifying nothing
+    prepare_run_dir(cfg, resume=resume, export_only=export_only)
     run = build_run(cfg, resume=resume or export_only)
-    if export_only and run.state.step == 0:
-        close_run(run)
-        raise ValueError(f"--export-only: no checkpoint under {out}/checkpoints to export")
     log = MetricsLogger(out, cfg.logging, cfg.run.steps, start_step=run.state.step,
                         enabled=is_rank0() and not export_only)
     if is_rank0():
@@ -71,12 +72,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + (["run.overwrite=true"] if args.overwrite else []))
     except (ConfigError, FileNotFoundError) as err:
         # a config problem is the user's to fix: the message names the key, a traceback adds nothing
         print(f"opkd train: error: {err}", file=sys.stderr)
         return 2
     if is_rank0():
         print(dump_config(cfg))
-    train(cfg, resume=args.resume, export_only=args.export_only)
+    try:
+        train(cfg, resume=args.resume, export_only=args.export_only)
+    except ConfigError as err:  # raised before anything started or changed (ResumeError, loss.impl)
+        print(f"opkd train: error: {err}", file=sys.stderr)
+        return 2
     return 0

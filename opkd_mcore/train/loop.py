@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass, field
 
 from opkd_mcore.config.schema import TrainConfig
-from opkd_mcore.data import PromptDataset, PromptSampler, encode_prompt
+from opkd_mcore.data import PromptDataset, PromptSampler, encode_record
 from opkd_mcore.losses import TopKTeacher
 from opkd_mcore.rollout import SamplingConfig
 from opkd_mcore.train import stages
 from opkd_mcore.train.checkpoint import TrainerState
-from opkd_mcore.train.components import is_rank0, route_data
+from opkd_mcore.train.components import is_rank0
+from opkd_mcore.train.teacher_setup import route_data
 
 logger = logging.getLogger(__name__)
 
@@ -37,20 +38,25 @@ class DistillationRun:
     shard: stages.ShardLayout
     tp_group: object = None
     state: TrainerState = field(default_factory=TrainerState)
+    rewards: object = None  # data.rewards.TaskRewards when the loss uses task rewards
 
     def prompts(self) -> stages.PromptBatch:
-        """The next prompts (same on every rank: the sampler is seeded and stepped everywhere)."""
+        """The next prompts (same on every rank: the sampler is seeded and stepped everywhere),
+        each with its own sampling seed (from the run's seed, the step and its place in the batch)."""
+        from opkd_mcore.rollout.vllm_rollout import sample_seed
+
         indices = self.sampler.next_batch()
         ds = self.dataset
         data = [route_data(self.cfg, {"data_source": ds.data_source(i), "answer": ds.answer(i),
                                       "prompt": ds.prompt(i)}) for i in indices]
-        ids = [encode_prompt(self.tokenizer, ds.prompt(i)) for i in indices]
-        return stages.PromptBatch(indices=indices, prompt_ids=ids, data=data)
+        ids = [encode_record(self.tokenizer, ds, i, self.cfg.data.chat_template) for i in indices]
+        seeds = [sample_seed(self.cfg.rollout.seed, self.state.step, j) for j in range(len(indices))]
+        return stages.PromptBatch(indices=indices, prompt_ids=ids, data=data, seeds=seeds)
 
     def sampling(self) -> SamplingConfig:
         ro = self.cfg.rollout
         return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                              max_new_tokens=ro.max_new_tokens, seed=ro.seed * 100_003 + self.state.step)
+                              max_new_tokens=ro.max_new_tokens)
 
     def step(self) -> dict[str, float]:
         """One full step; returns its metrics (same on every rank)."""
@@ -61,6 +67,8 @@ class DistillationRun:
             rolled = stages.rollout_stage(self.rollout, prompts, self.sampling())
             scored = stages.teacher_stage(self.teacher, rolled)
             timings = {"timing/rollout": rolled.seconds, "timing/teacher": scored.seconds}
+            if self.rewards is not None:
+                timings.update(stages.reward_stage(scored, self.rewards, self.tokenizer))
         scored, timings = stages.share_from_rank0((scored, timings if is_rank0() else None))
         result = stages.train_stage(self.engine, scored, self.cfg.loss, self.cfg.parallel, self.shard,
                                     self.tp_group)
@@ -84,6 +92,8 @@ def rollout_metrics(scored: stages.ScoredBatch) -> dict[str, float]:
     stopped = [s.finish_reason == "stop" for s in scored.samples]
     agree = total = 0
     for sample, rows in zip(scored.samples, scored.teacher):
+        if rows is None:  # scored inside the student's step: the loss measures agreement there
+            continue
         if not isinstance(rows, TopKTeacher):
             top1 = rows.logits.argmax(-1)
         else:
@@ -99,5 +109,5 @@ def rollout_metrics(scored: stages.ScoredBatch) -> dict[str, float]:
         "rollout/stop_fraction": sum(stopped) / len(stopped),
         "rollout/response_tokens": float(sum(lengths)),
         "rollout/num_samples": float(len(lengths)),
-        "teacher/top1_agreement": agree / max(total, 1),
+        **({"teacher/top1_agreement": agree / total} if total else {}),
     }

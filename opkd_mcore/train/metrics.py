@@ -1,7 +1,8 @@
 """Step metrics to the console (tqdm bar + periodic line), a JSONL file, TensorBoard and W&B.
 
 Only rank 0 writes. Names are `group/name`. On resume the JSONL file is cut back to the steps
-before the resumed one, so a resumed run's file reads exactly like an uninterrupted run's.
+before the resumed one (and a torn last line is dropped), so a resumed run's file reads exactly
+like an uninterrupted run's.
 """
 from __future__ import annotations
 
@@ -13,23 +14,45 @@ from opkd_mcore.config.schema import LoggingSection
 
 logger = logging.getLogger(__name__)
 
+METRICS_FILE = "metrics.jsonl"
 # shown on the progress bar, in this order, when present
 BAR_KEYS = ("train/loss", "eval/accuracy", "rollout/response_len_mean", "timing/step")
 
 
 def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSONL file ([] when it does not exist).
+
+    A torn last line (a writer killed mid-line) is dropped with a warning: a prefix of a JSON object
+    never parses, so only an incomplete record is lost. A bad line before the last is corruption,
+    not a kill, and raises `ValueError` naming the file and line.
+    """
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}:{number}: not a JSON record ({err.msg})") from None
+            logger.warning("%s:%d: dropped a torn last line (a run killed while writing it)", path, number)
+    return records
 
 
 def truncate_jsonl(path: str, before_step: int) -> None:
-    """Keep only records with `step < before_step` (used when resuming)."""
-    kept = [r for r in read_jsonl(path) if r.get("step", -1) < before_step]
-    with open(path, "w") as f:
+    """Keep only records with `step < before_step` (used when resuming; 0 empties the file).
+
+    The kept records are written to a temporary file that replaces the old one, so a run killed
+    while truncating leaves either file whole.
+    """
+    kept = [r for r in read_jsonl(path) if r.get("step", -1) < before_step] if before_step > 0 else []
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         for r in kept:
             f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
 
 
 class MetricsLogger:
@@ -38,7 +61,7 @@ class MetricsLogger:
     def __init__(self, out_dir: str, cfg: LoggingSection, total_steps: int, *, start_step: int = 0,
                  enabled: bool = True, desc: str = "opkd train"):
         self.cfg, self.enabled = cfg, enabled
-        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.path = os.path.join(out_dir, METRICS_FILE)
         self.bar = self.tb = self.wandb = None
         if not enabled:
             return

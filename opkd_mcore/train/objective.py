@@ -27,12 +27,6 @@ class StepCounts:
     num_seqs: int  # sequences over all micro-batches and DP ranks
 
 
-def _rows(teacher, idx: torch.Tensor):
-    if isinstance(teacher, DenseTeacher):
-        return DenseTeacher(logits=teacher.logits[idx])
-    return TopKTeacher(ids=teacher.ids[idx], logprobs=teacher.logprobs[idx])
-
-
 def _token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
     """log q(target) from vocab-parallel logits (Megatron's vocab-parallel cross entropy, negated)."""
     from megatron.core import tensor_parallel
@@ -52,56 +46,89 @@ def _teacher_token_logprobs(teacher: TopKTeacher, targets_N: torch.Tensor) -> to
 
 
 def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
-    """`loss_fn(logits_local [T, V_local], batch) -> (scalar, metrics)` for the engine."""
+    """`loss_fn(logits_local [T, V_local], batch) -> (scalar, metrics)` for the engine.
+
+    The loss runs on all T rows of the micro-batch and `loss_mask` selects the response rows:
+    gathering those rows first would copy the logits (and their gradient) once more.
+    """
 
     def loss_fn(logits_local: torch.Tensor, batch: PackedBatch):
-        idx = batch.loss_mask.nonzero().squeeze(1)
-        logits = logits_local[idx]
-        seq_ids = batch.seq_ids[idx]
+        mask = batch.loss_mask
         if loss.form == "policy_gradient":
-            per_token, metrics = _policy_gradient(logits, batch, idx, loss)
+            per_token, metrics = _policy_gradient(logits_local, batch, loss)
         else:
-            per_token, metrics = _distribution_kd(logits, batch, idx, loss, tp_group)
-        mask = torch.ones_like(per_token)
-        weights = batch.sequence_weights
-        scalar = aggregate(per_token, mask, seq_ids, loss.aggregation, counts.num_tokens,
-                           global_num_seqs=counts.num_seqs, seq_weights=weights,
+            per_token, metrics = _distribution_kd(logits_local, batch, loss, tp_group)
+        scalar = aggregate(per_token, mask, batch.seq_ids, loss.aggregation, counts.num_tokens,
+                           global_num_seqs=counts.num_seqs, seq_weights=batch.sequence_weights,
                            num_seqs=batch.num_sequences)
         denom = float(counts.num_tokens)
-        out = {name: value.detach().sum() / denom for name, value in metrics.items()}
-        out["kd/per_token_loss"] = per_token.detach().sum() / denom
-        out["train/response_tokens"] = torch.tensor(float(idx.numel()))
+        counted = mask.bool()
+        out = {name: torch.where(counted, value.detach().float(), 0.0).sum() / denom
+               for name, value in metrics.items()}
+        out["kd/per_token_loss"] = torch.where(counted, per_token.detach(), 0.0).sum() / denom
+        out["train/response_tokens"] = mask.sum()
         return scalar, out
 
     return loss_fn
 
 
-def _distribution_kd(logits, batch, idx, loss: LossSection, tp_group):
-    teacher = _rows(batch.teacher, idx)
+def _distribution_kd(logits, batch, loss: LossSection, tp_group):
     per_token, stats = kd_loss_with_stats(
-        logits, teacher, divergence=loss.divergence, beta=loss.beta, temperature=loss.temperature,
+        logits, batch.teacher, divergence=loss.divergence, beta=loss.beta, temperature=loss.temperature,
         support=loss.support, k=loss.k, mass=loss.mass, coverage_coef=loss.coverage_coef,
-        tp_group=tp_group, impl="reference" if loss.impl == "auto" else loss.impl)
-    metrics = {"kd/teacher_mass_on_support": stats.teacher_mass.float(),
-               "kd/student_mass_on_support": stats.student_mass.float()}
+        tp_group=tp_group, impl=loss.impl,
+        # top-k rows are cheap to check here; dense rows were checked where they were made
+        # (a NaN scan of [N, V] logits would cost a full-size mask)
+        validate=not isinstance(batch.teacher, DenseTeacher))
+    metrics = {"kd/teacher_mass_on_support": stats.teacher_mass,
+               "kd/student_mass_on_support": stats.student_mass}
     if stats.topk_overlap is not None:
-        metrics["kd/topk_overlap"] = stats.topk_overlap.float()
+        metrics["kd/topk_overlap"] = stats.topk_overlap
+    if isinstance(batch.teacher, DenseTeacher):  # scored inside the step: agreement measured here
+        metrics["teacher/top1_agreement"] = _top1_agreement(batch.teacher.logits, batch, tp_group)
+        metrics["teacher/nonfinite_rows"] = _nonfinite_rows(batch.teacher.logits, tp_group)
     return per_token, metrics
 
 
-def _policy_gradient(logits, batch, idx, loss: LossSection):
-    targets = batch.tokens[idx + 1]
+@torch.no_grad()
+def _nonfinite_rows(logits_local: torch.Tensor, tp_group) -> torch.Tensor:
+    """1 for rows holding NaN on any vocabulary shard (a row max propagates NaN: no [N, V] mask)."""
+    from opkd_mcore.losses import vocab_parallel as vp
+
+    bad = torch.isnan(logits_local.amax(dim=1)).float()
+    return vp.all_reduce_max_(bad, tp_group)
+
+
+@torch.no_grad()
+def _top1_agreement(teacher_logits_local: torch.Tensor, batch: PackedBatch, tp_group) -> torch.Tensor:
+    """1 where the teacher's most likely next token is the sampled one (per row)."""
+    from opkd_mcore.losses import vocab_parallel as vp
+
+    top1 = vp.sharded_topk(teacher_logits_local, 1, tp_group)[:, 0]
+    return (top1 == _next_tokens(batch)).float()
+
+
+def _next_tokens(batch: PackedBatch) -> torch.Tensor:
+    """Token t+1 for every row t (the last row's value is never counted: its loss mask is 0)."""
+    return torch.roll(batch.tokens, -1)
+
+
+def _policy_gradient(logits, batch, loss: LossSection):
+    targets = _next_tokens(batch)
+    # the student at T=1, like the rollout engine's raw logprobs: the importance ratio compares
+    # the same quantity for the old and the new policy whatever the sampling temperature
     student_lp = _token_logprobs(logits, targets)
     if isinstance(batch.teacher, DenseTeacher):
-        teacher_lp = _token_logprobs(batch.teacher.logits[idx].float(), targets).detach()
+        teacher_lp = _token_logprobs(batch.teacher.logits.float(), targets).detach()
     else:
-        teacher_lp = _teacher_token_logprobs(_rows(batch.teacher, idx), targets)
+        teacher_lp = _teacher_token_logprobs(batch.teacher, targets)
     task_adv = None
-    if loss.task_reward_coef and "task_advantage" in batch.meta:
-        task_adv = loss.task_reward_coef * batch.meta["task_advantage"][idx]
-    out = policy_gradient_kd_loss(student_lp, batch.sampler_logprobs[idx], teacher_lp,
-                                  estimator=loss.kl_estimator, kl_coef=loss.pg_coef,
-                                  clip_ratio=loss.clip_eps, task_advantages=task_adv)
+    if loss.task_reward_coef and batch.task_advantages is not None:
+        task_adv = loss.task_reward_coef * batch.task_advantages
+    old_lp = batch.sampler_logprobs
+    out = policy_gradient_kd_loss(student_lp, old_lp, teacher_lp, estimator=loss.kl_estimator,
+                                  kl_coef=loss.pg_coef, clip_ratio=loss.clip_eps, task_advantages=task_adv)
     metrics = {"pg/sampled_kl": (student_lp - teacher_lp).detach(),
-               "pg/clip_fraction": out.clipped.float()}
+               "pg/clip_fraction": out.clipped.float(),
+               "pg/abs_log_ratio": (student_lp.detach() - old_lp).abs()}
     return out.loss, metrics

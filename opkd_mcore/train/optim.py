@@ -9,7 +9,8 @@ collectives) and the scaling by `_scale_grads_`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -37,6 +38,11 @@ class OptimConfig:
     grad_reduce_in_fp32: bool = True  # reduce bf16 gradients in fp32 across DP
 
     def validate(self) -> None:
+        # NaN passes every `<` check below and inf makes Adam's update NaN: reject both first
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"OptimConfig.{f.name}: expected a finite number, got {value}")
         if not self.lr > 0:
             raise ValueError(f"OptimConfig.lr: expected > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
@@ -55,6 +61,9 @@ class OptimConfig:
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"OptimConfig.lr_decay_style: expected one of {LR_DECAY_STYLES}, "
                              f"got {self.lr_decay_style!r}")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= 0:
+            raise ValueError(f"OptimConfig.lr_decay_steps: expected > 0 or None (no decay), "
+                             f"got {self.lr_decay_steps}")
         if self.lr_decay_style != "constant":
             if self.lr_decay_steps is None or self.lr_decay_steps <= self.warmup_steps:
                 raise ValueError(f"OptimConfig.lr_decay_steps: a {self.lr_decay_style!r} decay needs "
@@ -120,19 +129,23 @@ def _scale_grads_(optimizer, coeff: float) -> None:
                 grad.mul_(coeff)
 
 
-def clip_and_step(optimizer, clip_grad: float, on_cpu: bool) -> tuple[bool, float]:
+def clip_and_step(optimizer, clip_grad: float, on_cpu: bool, skip: bool = False) -> tuple[bool, float]:
     """Unscale/copy gradients, clip to `clip_grad` (global norm over all shards), step.
 
     Returns (update applied, grad norm before clipping). An update is skipped when the fp16 loss
-    scaler found inf/nan (never with fp32/bf16). Same result as Megatron's `step()`, but the
-    scaling is our own on CPU where Megatron's clip asserts accelerator tensors.
+    scaler found inf/nan, when the gradient norm is not finite (any dtype), or when the caller
+    says so (`skip`, e.g. a non-finite loss): a non-finite step is never applied. Same result as
+    Megatron's `step()`, but the scaling is our own on CPU where Megatron's clip asserts
+    accelerator tensors.
     """
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     found_inf = optimizer.prepare_grads()
     if found_inf:
         return False, float("nan")
-    grad_norm = float(optimizer.get_grad_norm())
+    grad_norm = float(optimizer.get_grad_norm())  # collective: every rank computes it
+    if skip or not math.isfinite(grad_norm):
+        return False, grad_norm
     if clip_grad > 0 and grad_norm > clip_grad:
         if on_cpu:
             _scale_grads_(optimizer, clip_grad / (grad_norm + 1.0e-6))

@@ -27,11 +27,13 @@ from opkd_mcore.train.objective import StepCounts, make_loss_fn
 
 @dataclass
 class PromptBatch:
-    """Prompts of one step: dataset indices, token ids, and per-prompt data (answer, data_source)."""
+    """Prompts of one step: dataset indices, token ids, per-prompt data (answer, data_source), and
+    one sampling seed per prompt (None: the engine's own stream)."""
 
     indices: list[int]
     prompt_ids: list[list[int]]
     data: list[dict]
+    seeds: list[int] | None = None
 
 
 @dataclass
@@ -44,11 +46,13 @@ class RolloutBatch:
 
 @dataclass
 class ScoredBatch:
-    """Samples with one teacher output each (`len(sequence) - 1` rows, row t scores token t+1)."""
+    """Samples with one teacher output each (`len(sequence) - 1` rows, row t scores token t+1;
+    None when the teacher scores inside the student's step), and optional task-reward advantages."""
 
     samples: list[Sample]
-    teacher: list  # list[TopKTeacher | DenseTeacher]
+    teacher: list  # list[TopKTeacher | DenseTeacher | None]
     seconds: float = 0.0
+    task_advantages: list[float] | None = None  # one per sample (GRPO, group-normalised)
 
 
 @dataclass
@@ -61,19 +65,32 @@ class TrainResult:
 
 def rollout_stage(rollout, prompts: PromptBatch, sampling: SamplingConfig) -> RolloutBatch:
     start = time.perf_counter()
-    samples = rollout.generate(prompts.prompt_ids, sampling, data=prompts.data)
+    samples = rollout.generate(prompts.prompt_ids, sampling, data=prompts.data, seeds=prompts.seeds)
     return RolloutBatch(samples=samples, seconds=time.perf_counter() - start)
 
 
 def teacher_stage(teacher, batch: RolloutBatch) -> ScoredBatch:
-    """Score every sample's prompt+response; `teacher` is a Teacher or a TeacherRouter."""
+    """Score every sample's prompt+response; `teacher` is a Teacher or a TeacherRouter, or None
+    when the teacher runs inside the student's step (rows stay None)."""
     start = time.perf_counter()
+    if teacher is None:
+        return ScoredBatch(samples=batch.samples, teacher=[None] * len(batch.samples))
     sequences = [s.sequence for s in batch.samples]
     if hasattr(teacher, "teacher_of"):  # a router takes the per-sample data for routing
         rows = teacher.score(sequences, [s.data for s in batch.samples])
     else:
         rows = teacher.score(sequences)
     return ScoredBatch(samples=batch.samples, teacher=rows, seconds=time.perf_counter() - start)
+
+
+def reward_stage(scored: ScoredBatch, rewards, tokenizer) -> dict[str, float]:
+    """Task rewards of the samples and their group-normalised advantages (into `scored`)."""
+    from opkd_mcore.data.rewards import group_advantages
+
+    values = [rewards.score(tokenizer.decode(s.response_ids, skip_special_tokens=True), s.data)
+              for s in scored.samples]
+    scored.task_advantages = group_advantages(values, [s.group_id for s in scored.samples])
+    return {"reward/mean": sum(values) / len(values)}
 
 
 def share_from_rank0(obj):
@@ -85,22 +102,30 @@ def share_from_rank0(obj):
     return box[0]
 
 
-def _pad_teacher_rows(out, vocab_local: int, tp_rank: int, padded_vocab: int):
-    """One extra (padding) row for the last position of a sequence; dense rows cut to this TP shard."""
+def _pad_teacher_rows(out, shard: "ShardLayout"):
+    """One extra (padding) row for the last position of a sequence; dense rows cut to this TP shard.
+
+    A dense teacher's columns past the student's vocabulary (its own padding) are dropped or get
+    probability 0: the loss compares the two distributions over the ids the student can emit."""
+    if out is None:
+        return None
     if isinstance(out, TopKTeacher):
         ids = torch.cat([out.ids, torch.full((1, out.ids.shape[1]), PAD_ID, dtype=out.ids.dtype)])
         lps = torch.cat([out.logprobs, torch.full((1, out.ids.shape[1]), -math.inf,
                                                   dtype=out.logprobs.dtype)])
         return TopKTeacher(ids=ids, logprobs=lps)
     logits = out.logits.float()
-    if logits.shape[1] != vocab_local:  # a full-vocabulary teacher: pad the vocabulary, take our shard
-        full = torch.full((logits.shape[0], padded_vocab), -1.0e4, dtype=logits.dtype)
-        full[:, :logits.shape[1]] = logits
-        logits = full[:, tp_rank * vocab_local:(tp_rank + 1) * vocab_local]
+    if logits.shape[1] != shard.vocab_local:  # a full-vocabulary teacher: pad the vocabulary, take our shard
+        keep = min(logits.shape[1], shard.vocab_size or shard.padded_vocab)
+        full = torch.full((logits.shape[0], shard.padded_vocab), -1.0e4, dtype=logits.dtype)
+        full[:, :keep] = logits[:, :keep]
+        logits = full[:, shard.tp_rank * shard.vocab_local:(shard.tp_rank + 1) * shard.vocab_local]
     return DenseTeacher(logits=torch.cat([logits, torch.zeros(1, logits.shape[1])]))
 
 
 def _concat_teacher(rows: list):
+    if rows[0] is None:
+        return None
     if isinstance(rows[0], TopKTeacher):
         width = max(r.ids.shape[1] for r in rows)
         ids = [torch.nn.functional.pad(r.ids, (0, width - r.ids.shape[1]), value=PAD_ID) for r in rows]
@@ -119,6 +144,7 @@ class ShardLayout:
     tp_rank: int = 0
     vocab_local: int = 0  # columns of this rank's logits shard
     padded_vocab: int = 0  # all shards together
+    vocab_size: int | None = None  # the student's real vocabulary (columns past it are padding)
 
 
 def confidence_weights(scored: ScoredBatch, alpha: float) -> torch.Tensor | None:
@@ -157,12 +183,13 @@ def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLa
     for start in range(mine.start, mine.stop, par.micro_batch_size):
         idx = list(range(start, min(start + par.micro_batch_size, mine.stop)))
         samples = [scored.samples[i] for i in idx]
-        rows = [_pad_teacher_rows(scored.teacher[i], shard.vocab_local, shard.tp_rank, shard.padded_vocab)
-                for i in idx]
+        rows = [_pad_teacher_rows(scored.teacher[i], shard) for i in idx]
+        advantages = scored.task_advantages
         batches.append(pack_sequences(
             [s.sequence for s in samples], [len(s.prompt_ids) for s in samples],
             sampler_logprobs=[s.response_logprobs for s in samples], teacher=_concat_teacher(rows),
-            sequence_weights=None if seq_weights is None else seq_weights[idx]))
+            sequence_weights=None if seq_weights is None else seq_weights[idx],
+            task_advantages=None if advantages is None else [advantages[i] for i in idx]))
     return batches, counts
 
 

@@ -118,6 +118,10 @@ class BucketReceiver:
             self.stats.bytes_received += bucket.nbytes
         return header.version
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The receive buffers: `load_fn` gets views into them, valid until the next bucket lands."""
+        return list(self._buffers)
+
     @staticmethod
     def views(plan: BucketPlan, bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) views into `buf`; copies when the bucket splits a group (see plan.py)."""

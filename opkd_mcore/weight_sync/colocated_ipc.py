@@ -1,27 +1,39 @@
 """Colocated transport: trainer and rollout worker share a device; bytes move by IPC handles.
 
 The sender's two bucket buffers (and the small header/plan buffers) are exported once as IPC
-handles (torch's multiprocessing reducers, through `ForkingPickler`); afterwards each transfer is a short
-control message (buffer id, byte count) over a CPU gloo group, a device-to-device copy on the
-receiver into its own reused buffer, and an acknowledgement. The sender waits for the
-acknowledgement before it reuses a buffer, so a buffer is never overwritten while a receiver still
-reads it. On accelerators the handles are device IPC handles; on CPU the buffers live in shared
-memory (sharing strategy "file_system"), which is how this path is tested on a CPU-only machine.
+handles; afterwards each transfer is a short control message (buffer id, byte count) over a CPU gloo
+group, a device-to-device copy on the receiver into its own reused buffer, and an acknowledgement.
+The sender waits for the acknowledgement before it reuses a buffer, so a buffer is never overwritten
+while a receiver still reads it. On accelerators the handles are device IPC handles; on CPU the
+buffers live in shared memory (sharing strategy "file_system"), which is how this path is tested on a
+CPU-only machine.
+
+The control group is not authenticated, so nothing received is unpickled: a handle travels as plain
+numbers and byte strings (`opkd_mcore.platform.ipc_handles`), checked before anything is mapped.
 """
 from __future__ import annotations
 
-import pickle
 from dataclasses import replace
-from multiprocessing.reduction import ForkingPickler
 
 import torch
-import torch.multiprocessing as tmp
 
 from opkd_mcore.platform import current_device, is_cpu
+from opkd_mcore.platform.ipc_handles import (
+    MAX_HANDLES,
+    IpcHandleError,
+    decode_handles,
+    encode_handles,
+    export_ipc_handles,
+    open_ipc_handle,
+    share_buffer,
+)
 from opkd_mcore.weight_sync.group_transport import StatelessGroupTransport
 from opkd_mcore.weight_sync.transport import PendingTransfer, TransportConfig, WeightTransport
 
-_MSG_WORDS = 3  # buffer id, byte count, length of a pickled handle that follows (0 = known buffer)
+# buffer id, byte count, then the sizes of the handle words and bytes that follow (0, 0 = known buffer)
+_MSG_WORDS = 4
+_MAX_HANDLE_WORDS = MAX_HANDLES * 16
+_MAX_HANDLE_BYTES = 16 << 20  # well above 64 receivers' handles; bounds what a bad header makes us allocate
 
 
 def _sync_device() -> None:
@@ -44,18 +56,22 @@ class ColocatedIpcTransport(WeightTransport):
         super().__init__(cfg, rank)
         self.control = StatelessGroupTransport(replace(cfg, device="cpu"), rank)
         self._msg = torch.zeros(_MSG_WORDS, dtype=torch.int64)
-        self._sent_ids: dict[int, int] = {}  # sender: data_ptr -> buffer id
+        # sender: data_ptr -> (buffer id, the buffer); holding the buffer keeps its address from being
+        # reused by a later allocation, which would then pass for an already exported buffer
+        self._sent: dict[int, tuple[int, torch.Tensor]] = {}
         self._shared: dict[int, torch.Tensor] = {}  # receiver: buffer id -> the sender's buffer
+
+    def bind(self) -> int:
+        """See `StatelessGroupTransport.bind`: the control group's port, held by the sender."""
+        port = self.control.bind()
+        self.cfg = replace(self.cfg, port=port)
+        return port
 
     def connect(self) -> None:
         self.control.connect()
 
     def alloc_buffer(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=current_device(self.cfg.device))
-        if buf.device.type == "cpu":
-            tmp.set_sharing_strategy("file_system")
-            buf.share_memory_()
-        return buf
+        return share_buffer(nbytes, current_device(self.cfg.device))
 
     def _control_bcast(self, t: torch.Tensor) -> None:
         self.control.broadcast(t, t.numel()).wait(self.cfg.timeout_s)
@@ -66,33 +82,57 @@ class ColocatedIpcTransport(WeightTransport):
     def broadcast(self, buf: torch.Tensor, nbytes: int) -> PendingTransfer:
         if not self.is_sender:
             return _Lazy(lambda: self._receive_into(buf, nbytes))
-        handle = b""
-        if buf.data_ptr() not in self._sent_ids:
-            self._sent_ids[buf.data_ptr()] = len(self._sent_ids)
-            handle = bytes(ForkingPickler.dumps(buf))  # torch registers its IPC reducers here
+        words = raw = None
+        if buf.data_ptr() not in self._sent:
+            self._sent[buf.data_ptr()] = (len(self._sent), buf)
+            words, raw = encode_handles(export_ipc_handles(buf, self.world_size - 1))
         _sync_device()  # packing must have landed before a receiver copies
-        self._msg.copy_(torch.tensor([self._sent_ids[buf.data_ptr()], nbytes, len(handle)]))
+        sizes = [0, 0] if words is None else [words.numel(), raw.numel()]
+        self._msg.copy_(torch.tensor([self._sent[buf.data_ptr()][0], nbytes, *sizes]))
         self._control_bcast(self._msg)
-        if handle:
-            self._control_bcast(torch.frombuffer(bytearray(handle), dtype=torch.uint8))
+        if words is not None:
+            self._control_bcast(words)
+            if raw.numel():
+                self._control_bcast(raw)
         return _Lazy(self._ack)
 
     def _receive_into(self, buf: torch.Tensor, nbytes: int) -> None:
         self._control_bcast(self._msg)
-        buf_id, sent_nbytes, handle_len = self._msg.tolist()
+        buf_id, sent_nbytes, num_words, num_bytes = self._msg.tolist()
+        what = f"colocated buffer {buf_id} on {self.cfg.host}:{self.cfg.port}"
         if sent_nbytes != nbytes:
-            raise RuntimeError(f"colocated transfer: sender moved {sent_nbytes} bytes, receiver expected {nbytes}")
-        if handle_len:
-            raw = torch.empty(handle_len, dtype=torch.uint8)
-            self._control_bcast(raw)
-            self._shared[buf_id] = pickle.loads(raw.numpy().tobytes())
-        buf[:nbytes].copy_(self._shared[buf_id][:nbytes])
+            raise RuntimeError(f"{what}: sender moved {sent_nbytes} bytes, receiver expected {nbytes}")
+        if num_words:
+            self._shared[buf_id] = self._receive_handle(what, num_words, num_bytes)
+        shared = self._shared.get(buf_id)
+        if shared is None:
+            raise IpcHandleError(f"{what}: the sender never sent this buffer's handle "
+                                 f"(known buffers: {sorted(self._shared)})")
+        if nbytes > shared.numel():
+            raise IpcHandleError(f"{what}: {nbytes} bytes announced, the shared buffer holds "
+                                 f"{shared.numel()}")
+        buf[:nbytes].copy_(shared[:nbytes])
         _sync_device()
         self._ack()
+
+    def _receive_handle(self, what: str, num_words: int, num_bytes: int) -> torch.Tensor:
+        if not 0 < num_words <= _MAX_HANDLE_WORDS or not 0 <= num_bytes <= _MAX_HANDLE_BYTES:
+            raise IpcHandleError(f"{what}: handle of {num_words} words and {num_bytes} bytes announced, "
+                                 f"expected at most {_MAX_HANDLE_WORDS} and {_MAX_HANDLE_BYTES}")
+        words = torch.empty(num_words, dtype=torch.int64)
+        self._control_bcast(words)
+        raw = torch.empty(num_bytes, dtype=torch.uint8)
+        if num_bytes:
+            self._control_bcast(raw)
+        handles = decode_handles(words, raw, what)
+        if len(handles) != self.world_size - 1:
+            raise IpcHandleError(f"{what}: {len(handles)} handles for {self.world_size - 1} receivers")
+        return open_ipc_handle(handles[self.rank - 1], what)
 
     def exchange_status(self, message: str) -> list[str]:
         return self.control.exchange_status(message)
 
     def close(self) -> None:
         self._shared.clear()
+        self._sent.clear()
         self.control.close()

@@ -19,12 +19,15 @@ class EngineWeightSync:
         self.timeout_s = source.cfg.timeout_s
 
     def connect(self) -> None:
+        """Collective over every trainer rank: stage owners hold their ports first, so the engine
+        is only told ports in hand; then both sides join together."""
+        groups = self.source.bind()
         if self.handle is None:
             self.source.connect()
             return
-        groups = self.source.groups
-        run_concurrently({"rollout workers join": lambda: self.handle.join_async(groups).result(),
-                          "trainer stage owner joins": self.source.connect}, self.timeout_s)
+        join = lambda: self.handle.join_async(groups, transport=self.source.cfg.transport).result()  # noqa: E731
+        run_concurrently({"rollout workers join": join, "trainer stage owner joins": self.source.connect},
+                         self.timeout_s)
 
     def sync(self, version: int) -> int:
         """Send `version`; on the engine's rank also wait until every worker has loaded it."""

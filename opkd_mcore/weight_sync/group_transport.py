@@ -4,17 +4,28 @@ The group is made from a TCP store at `cfg.host:cfg.port` without touching `torc
 default group, so trainer ranks and rollout workers that belong to different jobs can meet. The
 backend comes from `opkd_mcore.platform` for this process's device: multi-node, every accelerator
 and CPU take the same path and differ only in the host address and the backend that platform names.
+
+Port agreement: the sender (rank 0) calls `bind()` before the receivers are told the port. It listens
+on `cfg.port`, or on a free port when that one is taken (or is 0), and updates `cfg.port`; whoever
+starts the receivers passes them the bound port. Without `bind()`, `connect()` uses exactly
+`cfg.port` and fails clearly when another process holds it (the receivers were told that port).
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from opkd_mcore.platform import collective_backend, current_device
-from opkd_mcore.platform.stateless_group import destroy_stateless_group, new_stateless_group
+from opkd_mcore.platform.stateless_group import (
+    GroupListener,
+    destroy_stateless_group,
+    listen_for_group,
+    new_stateless_group,
+)
 from opkd_mcore.weight_sync.transport import (
     SENDER_RANK,
     PendingTransfer,
@@ -54,6 +65,15 @@ class StatelessGroupTransport(WeightTransport):
         super().__init__(cfg, rank)
         self.backend = collective_backend(cfg.device)
         self.pg: dist.ProcessGroup | None = None
+        self._listener: GroupListener | None = None
+
+    def bind(self) -> int:
+        """Sender: hold the group's port from now on (a free one if `cfg.port` is taken or 0) and
+        return it; tell the receivers this port. Receivers: return `cfg.port` (they only connect)."""
+        if self.is_sender and self._listener is None and self.pg is None:
+            self._listener = listen_for_group(self.cfg.host, self.cfg.port)
+            self.cfg = replace(self.cfg, port=self._listener.port)
+        return self.cfg.port
 
     def connect(self) -> None:
         if self.pg is not None:
@@ -61,7 +81,7 @@ class StatelessGroupTransport(WeightTransport):
         try:
             self.pg = new_stateless_group(self.cfg.host, self.cfg.port, self.rank, self.world_size,
                                           backend=self.backend, timeout_s=self.cfg.timeout_s,
-                                          join_timeout_s=self._join_timeout_s())
+                                          join_timeout_s=self._join_timeout_s(), listener=self._listener)
         except (RuntimeError, TimeoutError) as err:
             raise WeightSyncTimeout(
                 f"weight-sync group {self.cfg.host}:{self.cfg.port} ({self.backend}, world_size="
@@ -105,6 +125,9 @@ class StatelessGroupTransport(WeightTransport):
         return [bytes(v for v in row if v).decode(errors="replace") for row in rows]
 
     def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self.pg is not None:
             destroy_stateless_group(self.pg)
             self.pg = None

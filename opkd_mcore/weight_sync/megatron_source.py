@@ -4,6 +4,11 @@ Each PP stage has one owner (TP rank 0 of data-parallel replica 0, CP rank 0) th
 stage's tensors over that stage's group, so no rank ever holds more than its stage's two buckets and
 stages never funnel through one rank. The other TP ranks of replica 0 take part in the export
 (the TP gather is collective) and send nothing; the other replicas do nothing.
+
+Ports: `bind()` (every trainer rank) lets each stage owner take its group's port — the configured one,
+or a free one when that is taken or the base port is 0 — and agrees the ports over the trainer's
+default group, so `groups` then holds the ports to hand to the rollout workers. Nothing chooses a
+port by binding and releasing it, which another process could take in between.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ class SyncGroupsConfig:
     """Where the per-stage weight-sync groups meet."""
 
     host: str = "127.0.0.1"  # address of the trainer node holding the stage owners (multi-node: its IP)
-    base_port: int = 29700  # stage s uses base_port + s
+    base_port: int = 29700  # stage s asks for base_port + s; 0: free ports picked at bind()
     num_receivers: int = 1  # rollout workers that receive (all engines' workers together)
     timeout_s: float = 300.0  # each transfer must finish within this
     join_timeout_s: float | None = None  # group creation (waits for the engine to start); None = timeout_s
@@ -37,7 +42,7 @@ class SyncGroupsConfig:
     def stage_groups(self, num_stages: int) -> list[TransportConfig]:
         base = TransportConfig(host=self.host, world_size=1 + self.num_receivers, timeout_s=self.timeout_s,
                                join_timeout_s=self.join_timeout_s)
-        return [replace(base, port=self.base_port + s) for s in range(num_stages)]
+        return [replace(base, port=self.base_port + s if self.base_port else 0) for s in range(num_stages)]
 
 
 def _ranks():
@@ -74,8 +79,18 @@ class MegatronWeightSync:
             transport = make_transport(cfg.transport, self.groups[stage], rank=0)
             self.sender = WeightSender(self.plan, transport, stage)
 
+    def bind(self) -> list[TransportConfig]:
+        """Collective over every trainer rank: stage owners hold their group's port (moving to a free
+        one if it is taken), then all ranks agree on the ports; returns `groups` for the receivers."""
+        stage = _ranks()[0]
+        port = self.sender.transport.bind() if self.sender is not None else 0
+        ports = agree_stage_ports(stage, port, len(self.groups))
+        self.groups = [replace(g, port=p) for g, p in zip(self.groups, ports)]
+        return self.groups
+
     def connect(self) -> None:
-        """Stage owners join their group; rollout workers must be joining concurrently."""
+        """Stage owners join their group; rollout workers must be joining concurrently, on the ports
+        of `groups` (after `bind()`, the ports actually held; without it, exactly the configured ones)."""
         if self.sender is not None:
             self.sender.transport.connect()
 
@@ -100,6 +115,19 @@ class MegatronWeightSync:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.transport.close()
+
+
+def agree_stage_ports(stage: int, port: int, num_stages: int, group=None) -> list[int]:
+    """Every rank learns each stage's port: a stage owner passes the port it holds, others 0."""
+    ports = torch.zeros(num_stages, dtype=torch.int64, device=current_device())
+    ports[stage] = port
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(ports, op=dist.ReduceOp.MAX, group=group)
+    agreed = ports.tolist()
+    if not all(agreed):
+        raise RuntimeError(f"weight sync: no stage owner reported a port for stages "
+                           f"{[s for s, p in enumerate(agreed) if not p]} (ports {agreed})")
+    return agreed
 
 
 def _agree_over_tp(error: BaseException | None) -> None:

@@ -51,10 +51,29 @@ def _layerwise_reload_api():
     return initialize_layerwise_reload, finalize_layerwise_reload
 
 
+def _own_deferred_tensors(buffers: list[torch.Tensor]) -> None:
+    """Copy what vLLM's layerwise reload keeps of a bucket beyond `load_weights`.
+
+    A layer whose loaded elements do not reach its size (a vocabulary padded past the
+    checkpoint's rows: embedding, LM head) is only processed at `finalize`, and until then the
+    reload machinery holds the very tensors it was given. Those are views into a receive buffer
+    that the next bucket (or the next PP stage's first bucket) overwrites, so they are copied here.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    storages = {b.untyped_storage().data_ptr() for b in buffers}
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
+                    bound.arguments[key] = value.clone()
+
+
 class VllmWeightReceiver:
     """Mixed into vLLM's worker class; `self` is the worker (model_runner, model_config, rank)."""
 
-    def opkd_join_weight_sync(self, groups: list[dict], rank_offset: int = 1, check_plan: bool = True) -> int:
+    def opkd_join_weight_sync(self, groups: list[dict], rank_offset: int = 1, check_plan: bool = True,
+                              transport: str = "group") -> int:
         """Join one weight-sync group per trainer PP stage; returns this worker's group rank."""
         if getattr(self, "_opkd_receiver", None) is not None:
             self._opkd_receiver.close()
@@ -64,7 +83,7 @@ class VllmWeightReceiver:
         self._opkd_receiver = BucketReceiver(expected)
         self._opkd_weights_consistent = True
         rank = rank_offset + self.rank
-        self._opkd_receiver.join([TransportConfig(**g) for g in groups], rank)
+        self._opkd_receiver.join([TransportConfig(**g) for g in groups], rank, transport)
         return rank
 
     def opkd_receive_weights(self) -> int:
@@ -74,8 +93,13 @@ class VllmWeightReceiver:
         model = self.model_runner.model
         initialize(model)
         ok = False
+
+        def load(named):
+            model.load_weights(weights=named)
+            _own_deferred_tensors(receiver.buffers())
+
         try:
-            version = receiver.receive(lambda named: model.load_weights(weights=named))
+            version = receiver.receive(load)
             ok = True
         finally:
             # restores kernel tensors of layers that got nothing, so the engine stays usable

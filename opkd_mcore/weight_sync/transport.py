@@ -55,6 +55,11 @@ class WeightTransport(ABC):
     def is_sender(self) -> bool:
         return self.rank == SENDER_RANK
 
+    def bind(self) -> int:
+        """Sender: hold the group's port before the receivers are told it; returns the port (a
+        transport without a listening side just returns the configured one)."""
+        return self.cfg.port
+
     @abstractmethod
     def connect(self) -> None:
         """Join the group (blocks until every member joined, or raises WeightSyncTimeout)."""

@@ -52,11 +52,12 @@ class VllmSyncHandle:
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="opkd-vllm-rpc")
 
     def join_async(self, groups: list[TransportConfig], *, rank_offset: int = 1,
-                   check_plan: bool = True) -> cf.Future:
-        """Every worker joins every stage group; the future holds the workers' group ranks."""
+                   check_plan: bool = True, transport: str = "group") -> cf.Future:
+        """Every worker joins every stage group over `transport` (a name registered in
+        `weight_sync.transport`, the same as the sender's); the future holds the group ranks."""
         payload = [asdict(g) for g in groups]
         return self._pool.submit(self.llm.collective_rpc, "opkd_join_weight_sync",
-                                 args=(payload, rank_offset, check_plan))
+                                 args=(payload, rank_offset, check_plan, transport))
 
     def receive_async(self) -> cf.Future:
         """Every worker receives one sync; the future holds the loaded version per worker."""

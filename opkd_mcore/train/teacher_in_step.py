@@ -1,0 +1,114 @@
+"""A dense Megatron teacher that runs inside the student's training step, micro-batch by micro-batch.
+
+The teacher's GPTModel chunks are built on the student's parallel groups (same TP, the same PP
+stages and VPP chunks), forward only: no optimizer, no DDP wrapper, no gradient buffers. For
+every micro-batch the student's schedule runs, each stage runs its student chunk and its teacher
+chunk on the same tokens:
+
+    stage s (not last):  [student hidden | teacher hidden]  -- one p2p tensor -->  stage s+1
+    last stage:          student logits [T, V_local] + teacher logits [T, V_local] -> kd_loss
+
+The two hidden states travel as one tensor concatenated along the hidden dimension, so
+Megatron's own p2p schedule (1F1B, interleaved) carries the teacher's activations with no extra
+messages and in the same order; the teacher half is detached, so its gradient is never computed.
+The teacher's TP-sharded logits therefore appear on the rank that computes the student's loss for
+the same vocabulary shard, one micro-batch at a time (as many as the pipeline has in flight), and
+nothing dense crosses ranks or processes.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+class InStepTeacher:
+    """A `MegatronTeacher`'s chunks, used by the student engine inside its step.
+
+    `vocab_size`: ids at or above it get probability 0 in the teacher's logits (the student's
+    vocabulary: the loss compares distributions over the ids the student can emit).
+    """
+
+    def __init__(self, teacher, *, vocab_size: int):
+        self.teacher = teacher  # opkd_mcore.teacher.megatron_teacher.MegatronTeacher
+        self.chunks = teacher.engine.model
+        self.vocab_size = vocab_size
+        self.hidden_size = self.chunks[0].config.hidden_size
+        self.name = teacher.address
+
+    def num_parameters(self) -> int:
+        """Elements of the teacher's weights on this rank (its shard only)."""
+        return sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
+
+    def acquire(self) -> None:
+        """Weights on the device for a step (they may have been offloaded to host memory)."""
+        if self.teacher.offloaded:
+            self.teacher.reload()
+
+    def release(self) -> None:
+        """Weights back to host memory after a step when the teacher is configured to offload."""
+        if self.teacher.cfg.offload_between_calls:
+            self.teacher.offload()
+
+
+class PairedChunk(torch.nn.Module):
+    """One student chunk (DDP-wrapped) and the teacher chunk of the same pipeline position.
+
+    Megatron's schedule sees this module: `config` is the student's with the hidden size of the
+    concatenated p2p tensor, `set_input_tensor` splits what the previous stage sent, and
+    `module` points at the student for everything else Megatron looks up (`model_type`, layers).
+    """
+
+    def __init__(self, student, teacher, config, student_hidden: int, teacher_hidden: int,
+                 pipelined: bool):
+        super().__init__()
+        self.module = student
+        self.teacher = [teacher]  # a list: keeps the teacher out of this module's parameters
+        self.student_hidden, self.teacher_hidden = student_hidden, teacher_hidden
+        self.pipelined = pipelined
+        if pipelined:
+            config = copy.copy(config)
+            config.hidden_size = student_hidden + teacher_hidden
+        self.config = config
+        self.post_process = _unwrap(student).post_process
+
+    def set_input_tensor(self, input_tensor) -> None:
+        tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+        if tensor is None:  # first stage: the models embed the tokens themselves
+            _unwrap(self.module).set_input_tensor(None)
+            self.teacher[0].set_input_tensor(None)
+            return
+        student, teacher = tensor.split([self.student_hidden, self.teacher_hidden], dim=-1)
+        _unwrap(self.module).set_input_tensor(student.contiguous())
+        teacher_dtype = self.teacher[0].config.params_dtype
+        self.teacher[0].set_input_tensor(teacher.detach().to(teacher_dtype).contiguous())
+
+    def forward(self, *args, **kwargs):
+        """Last stage: (student logits, teacher logits); other stages: the concatenated hidden."""
+        student_out = self.module(*args, **kwargs)
+        with torch.no_grad():
+            teacher_out = self.teacher[0](*args, **kwargs)
+        if self.post_process:
+            return student_out, teacher_out
+        return torch.cat([student_out, teacher_out.to(student_out.dtype)], dim=-1)
+
+
+def _unwrap(module):
+    while hasattr(module, "module") and not hasattr(module, "decoder"):
+        module = module.module
+    return module
+
+
+def paired_chunks(student_chunks: list, teacher: InStepTeacher, config) -> list[PairedChunk]:
+    """Pair each student chunk with the teacher chunk at the same pipeline position."""
+    if len(student_chunks) != len(teacher.chunks):
+        raise ValueError(f"teacher: {len(teacher.chunks)} model chunks on this rank, the student has "
+                         f"{len(student_chunks)} (the teacher must use the same PP/VPP layout)")
+    pipelined = config.pipeline_model_parallel_size > 1
+    return [PairedChunk(s, t, config, config.hidden_size, teacher.hidden_size, pipelined)
+            for s, t in zip(student_chunks, teacher.chunks)]
+
+
+def unpair(model: list) -> list:
+    """The student chunks inside `paired_chunks` (identity for plain chunks)."""
+    return [m.module if isinstance(m, PairedChunk) else m for m in model]

@@ -1,0 +1,92 @@
+"""Which teachers a run has and where each one runs.
+
+* Scoring teachers (`vllm`, `remote`, `hf`) answer each step's samples on global rank 0 (in an
+  SPMD job) before the student's update: top-k rows, or full-vocabulary logits for an `hf`
+  teacher with `output: dense` (tiny CPU runs: rank 0 then shares those logits with every rank).
+* A `megatron` teacher is a `MegatronTeacher` inside the SPMD job, on the student's parallel
+  groups, run micro-batch by micro-batch inside the student's step (`train/teacher_in_step.py`):
+  its TP-sharded logits never leave the rank that uses them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
+from opkd_mcore.config.validate import teacher_output
+
+logger = logging.getLogger(__name__)
+
+
+def in_step_endpoint(cfg: TrainConfig) -> TeacherEndpoint | None:
+    """The `megatron` teacher of the run (validation allows at most one, alone), or None."""
+    return next((t for t in cfg.teacher.teachers if t.backend == "megatron"), None)
+
+
+def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None):
+    if t.backend == "vllm":
+        from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
+
+        return VllmTeacher(t.model, VllmTeacherConfig(
+            k=t.top_k, max_model_len=cfg.rollout.max_model_len, seed=cfg.rollout.seed,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization))
+    if t.backend == "remote":
+        from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher
+
+        # the server is asked once whether it can score every id the student may sample
+        return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k, student_vocab_size=student_vocab))
+    if t.backend == "hf":
+        from opkd_mcore.teacher.hf_teacher import TransformersTeacher
+
+        # dense: raw logits; kd_loss applies loss.temperature to dense teacher logits itself
+        return TransformersTeacher(t.model, k=None if teacher_output(t) == "dense" else t.top_k)
+    raise ValueError(f"teacher {t.name!r}: backend {t.backend!r} is not a scoring teacher "
+                     "(a megatron teacher runs inside the student's step)")
+
+
+def _replicas(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None) -> list:
+    urls = [t.url, *t.replica_urls] if t.replica_urls else [t.url]
+    return [_one_teacher(dataclasses.replace(t, url=url), cfg, student_vocab) for url in urls]
+
+
+def build_scoring_teacher(cfg: TrainConfig, student_vocab: int | None = None):
+    """Rank 0's teacher: one teacher, a router over several (by data source) and their replicas,
+    or None when the run's teacher is a `megatron` one (scored inside the step)."""
+    if in_step_endpoint(cfg) is not None:
+        return None
+    teachers = cfg.teacher.teachers
+    if len(teachers) == 1 and not teachers[0].replica_urls:
+        return _one_teacher(teachers[0], cfg, student_vocab)
+    from opkd_mcore.teacher.router import TeacherRouter
+
+    by_name = {t.name: _replicas(t, cfg, student_vocab) for t in teachers}
+    default = next((t.name for t in teachers if not t.data_sources), None)
+    return TeacherRouter(by_name, field="teacher", default=default)
+
+
+def build_in_step_teacher(cfg: TrainConfig, padded_vocab: int, student_vocab: int):
+    """The run's `megatron` teacher on this rank (collective: every rank calls it), or None."""
+    t = in_step_endpoint(cfg)
+    if t is None:
+        return None
+    import torch
+
+    from opkd_mcore.teacher.megatron_teacher import MegatronTeacher, MegatronTeacherConfig
+    from opkd_mcore.train.teacher_in_step import InStepTeacher
+
+    teacher = MegatronTeacher(t.model, MegatronTeacherConfig(
+        params_dtype=getattr(torch, cfg.model.params_dtype), offload_between_calls=t.offload,
+        padded_vocab=padded_vocab))
+    logger.info("teacher %s: Megatron, in the student's step (%d parameters on this rank%s)", t.name,
+                InStepTeacher(teacher, vocab_size=student_vocab).num_parameters(),
+                ", offloaded between steps" if t.offload else "")
+    return InStepTeacher(teacher, vocab_size=student_vocab)
+
+
+def route_data(cfg: TrainConfig, data: dict) -> dict:
+    """Per-prompt data with the teacher it is routed to under key `teacher`."""
+    source = data.get("data_source")
+    for t in cfg.teacher.teachers:
+        if source in t.data_sources:
+            return {**data, "teacher": t.name}
+    return dict(data)

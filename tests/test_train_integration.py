@@ -1,0 +1,293 @@
+"""The training step uses the project's own parts: fused loss kernels and a Megatron teacher in it.
+
+In-process (real Megatron over gloo, tests/_dist.py): `train_stage` with `loss.impl: auto` runs the
+C++ twin (counted by `opkd_kernels.fused_kd.LAUNCHES`) and gives the metrics of `impl: reference`;
+the Triton kernels under TRITON_INTERPRET=1 do the same for one tiny step; the in-step Megatron
+teacher holds only its TP shard, no optimizer state and no gradients, and a NaN in its logits or a
+non-finite loss never becomes an update. End to end (`opkd train`, vLLM rollouts): a Megatron
+teacher at TP=1, TP=2 and PP=2 gives the per-step losses of an `hf` teacher of the same checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from opkd_mcore.data import ALPHABET
+from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+from tests._dist import free_port, run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+V = 32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("integration")
+    student = TinyModelShape(vocab_size=V, hidden_size=128, num_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, intermediate_size=256, max_position_embeddings=64)
+    # a wider teacher with a padded vocabulary (40 rows for the same 15-token tokenizer)
+    teacher = TinyModelShape(vocab_size=40, hidden_size=192, num_layers=2, num_attention_heads=2,
+                             num_key_value_heads=2, intermediate_size=256, max_position_embeddings=64)
+    return {"student": save_tiny_hf_model(str(root / "student"), "qwen3", student, seed=1, alphabet=ALPHABET),
+            "teacher": save_tiny_hf_model(str(root / "teacher"), "qwen3", teacher, seed=2, alphabet=ALPHABET,
+                                          init_std=0.1),
+            "root": root}
+
+
+def _scored(seed: int, dense: bool):
+    """Four samples (two prompts x 2) with top-k or full-vocabulary teacher rows."""
+    from opkd_mcore.losses import DenseTeacher, TopKTeacher
+    from opkd_mcore.rollout import Sample
+    from opkd_mcore.train.stages import ScoredBatch
+
+    g = torch.Generator().manual_seed(seed)
+    samples, rows = [], []
+    for i in range(4):
+        prompt = [1] + torch.randint(3, 15, (3 + i % 2,), generator=g).tolist()
+        response = torch.randint(3, 15, (2 + i,), generator=g).tolist()
+        samples.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[-1.0] * len(response),
+                              finish_reason="stop", weight_version=0, group_id=i // 2))
+        logits = 3 * torch.randn(len(prompt) + len(response) - 1, V, generator=g)
+        if dense:
+            rows.append(DenseTeacher(logits=logits))
+        else:
+            lp, ids = torch.log_softmax(logits.double(), -1).topk(6, -1)
+            rows.append(TopKTeacher(ids=ids, logprobs=lp.float()))
+    return ScoredBatch(samples=samples, teacher=rows)
+
+
+LOSSES = {  # name -> (LossSection kwargs, dense teacher rows)
+    "topk_forward_renorm": (dict(support="teacher", divergence="forward_kl"), False),
+    "topk_jsd_tail_coverage": (dict(support="teacher", divergence="jsd", beta=0.3, mass="tail",
+                                    coverage_coef=0.2), False),
+    "dense_reverse_kl_t2": (dict(divergence="reverse_kl", temperature=2.0, k=4), True),
+    "dense_union_forward": (dict(support="union", k=4, divergence="forward_kl"), True),
+}
+
+
+def _train_once(model_dir, loss_kwargs, dense, impl, tp_group_size):
+    """One optimizer step through `train_stage` (Megatron, the real objective) on fresh weights."""
+    from megatron.core import parallel_state as ps
+    from opkd_kernels.fused_kd import LAUNCHES
+
+    from opkd_mcore.config import LossSection, ParallelSection
+    from opkd_mcore.train.components import build_student, shard_layout
+    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.train.stages import train_stage
+
+    # adam_eps=1 makes the update ~ lr * g (Adam's g/sqrt(v) would turn float noise in a ~0
+    # gradient into a full +-lr step): the weights after the step then compare the gradients
+    engine, _ = build_student(model_dir, OptimConfig(lr=1.0, adam_eps=1.0, clip_grad=0.0))
+    before = dict(LAUNCHES)
+    result = train_stage(engine, _scored(7, dense), LossSection(impl=impl, **loss_kwargs),
+                         ParallelSection(micro_batch_size=2, global_batch_size=4), shard_layout(engine),
+                         ps.get_tensor_model_parallel_group())
+    launches = {k: LAUNCHES[k] - before.get(k, 0) for k in LAUNCHES}
+    params = [p.detach().clone() for p in engine.parameters()]
+    return result.metrics, launches, params
+
+
+def _fused_vs_reference(rank, world, model_dir, impl):
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    init_parallel(ParallelConfig(tp=world, seed=3))
+    try:
+        out = {}
+        for name, (kwargs, dense) in LOSSES.items():
+            if impl == "triton" and name != "topk_jsd_tail_coverage":
+                continue  # the interpreter is slow: one objective covers the backend's wiring
+            fused = _train_once(model_dir, kwargs, dense, impl, world)
+            reference = _train_once(model_dir, kwargs, dense, "reference", world)
+            out[name] = (fused, reference)
+        return out
+    finally:
+        destroy_parallel()
+
+
+def _assert_same_step(fused, reference, backend, num_micro_batches):
+    (m_f, launches_f, params_f), (m_r, launches_r, params_r) = fused, reference
+    assert launches_f.get(backend, 0) == num_micro_batches  # the fused kernels ran, once per micro-batch
+    assert sum(launches_r.values()) == 0  # and never on the reference path
+    names = [k for k in m_r if k.startswith(("kd/", "train/loss", "train/grad_norm"))]
+    assert {"kd/teacher_mass_on_support", "kd/student_mass_on_support", "train/loss"} <= set(names)
+    for k in names:
+        assert m_f[k] == pytest.approx(m_r[k], rel=2e-5, abs=1e-6), k
+    for a, b in zip(params_f, params_r):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_twin_runs_in_tp2_training_steps_with_reference_metrics(models):
+    per_rank = run_distributed(_fused_vs_reference, 2, models["student"], "auto")
+    for rank_out in per_rank:
+        assert set(rank_out) == set(LOSSES)
+        for name, (fused, reference) in rank_out.items():
+            _assert_same_step(fused, reference, "cpp", num_micro_batches=2)
+    assert "kd/topk_overlap" in per_rank[0]["dense_union_forward"][0][0]
+
+
+def test_triton_interpreter_runs_in_a_training_step(models):
+    pytest.importorskip("triton")
+    (rank_out,) = run_distributed(_fused_vs_reference, 1, models["student"], "triton",
+                                  env={"TRITON_INTERPRET": "1"})
+    fused, reference = rank_out["topk_jsd_tail_coverage"]
+    _assert_same_step(fused, reference, "triton", num_micro_batches=2)
+
+
+def test_fused_impl_that_cannot_run_is_refused_before_the_run(models):
+    from opkd_mcore.config import ConfigError, load_config
+    from opkd_mcore.train.components import check_loss_impl
+
+    base = [f"model.student={models['student']}", f"teacher.teachers.0.model={models['student']}",
+            "teacher.teachers.0.backend=hf", "loss.support=teacher"]
+    with pytest.raises(ConfigError, match="^loss.impl: 'triton' cannot run here"):
+        check_loss_impl(load_config(None, base + ["loss.impl=triton"]))  # no GPU, no interpreter
+    with pytest.raises(ConfigError, match="^loss.impl: 'cpp'.*policy_gradient"):
+        check_loss_impl(load_config(None, base + ["loss.impl=cpp", "loss.form=policy_gradient"]))
+    check_loss_impl(load_config(None, base + ["loss.impl=cpp"]))  # the twin is built here
+
+
+# ---------------------------------------------------------------- the in-step Megatron teacher
+def _in_step_teacher(rank, world, student_dir, teacher_dir, poison):
+    from megatron.core import parallel_state as ps
+
+    from opkd_mcore.config import LossSection, ParallelSection, load_config
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.teacher.base import MalformedTeacherOutputError
+    from opkd_mcore.train.components import build_student, shard_layout, shared_padded_vocab
+    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.train.stages import train_stage
+    from opkd_mcore.train.teacher_setup import build_in_step_teacher
+
+    init_parallel(ParallelConfig(tp=world, seed=3))
+    try:
+        cfg = load_config(None, [f"model.student={student_dir}", f"teacher.teachers.0.model={teacher_dir}",
+                                 "teacher.teachers.0.backend=megatron", "loss.support=null",
+                                 "teacher.teachers.0.offload=true"], check_files=False, validate=False)
+        padded, vocab = shared_padded_vocab(cfg)
+        teacher = build_in_step_teacher(cfg, padded, vocab)
+        engine, _ = build_student(student_dir, OptimConfig(lr=1e-2), padded_vocab=padded, teacher=teacher)
+        scored = _scored(5, dense=False)
+        scored.teacher = [None] * len(scored.samples)  # scored inside the step
+        optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+        facts = {
+            "teacher_numel": teacher.num_parameters(),
+            "teacher_in_optimizer": any(id(p) in optimized for c in teacher.chunks for p in c.parameters()),
+            "teacher_wrapped": any(type(c).__name__ != "GPTModel" for c in teacher.chunks),
+            "teacher_requires_grad": any(p.requires_grad for c in teacher.chunks for p in c.parameters()),
+            "offloaded_between_steps": teacher.teacher.offloaded,
+        }
+        if poison:
+            next(teacher.chunks[0].parameters()).data.fill_(float("nan"))
+        before = [p.detach().clone() for p in engine.parameters()]
+        try:
+            result = train_stage(engine, scored, LossSection(divergence="forward_kl"),
+                                 ParallelSection(micro_batch_size=2, global_batch_size=4), shard_layout(engine),
+                                 ps.get_tensor_model_parallel_group())
+            facts["metrics"] = result.metrics
+        except MalformedTeacherOutputError as err:
+            facts["error"] = str(err)
+        facts["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, engine.parameters()))
+        facts["teacher_grads"] = any(p.grad is not None for c in teacher.chunks for p in c.parameters())
+        facts["offloaded_after_step"] = teacher.teacher.offloaded
+        return facts
+    finally:
+        destroy_parallel()
+
+
+def test_in_step_teacher_holds_its_shard_only_and_no_training_state(models):
+    from transformers import AutoModelForCausalLM
+
+    full = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(models["teacher"]).parameters())
+    tp1, = run_distributed(_in_step_teacher, 1, models["student"], models["teacher"], False)
+    tp2 = run_distributed(_in_step_teacher, 2, models["student"], models["teacher"], False)
+    assert tp1["teacher_numel"] == full
+    for facts in tp2:
+        assert facts["teacher_numel"] < 0.55 * full  # norms are replicated, every matrix is split
+        assert not (facts["teacher_in_optimizer"] or facts["teacher_wrapped"] or facts["teacher_requires_grad"]
+                    or facts["teacher_grads"])
+        assert facts["offloaded_between_steps"] and facts["offloaded_after_step"]
+        assert facts["metrics"]["train/update_applied"] == 1.0
+        assert facts["metrics"]["train/loss"] == pytest.approx(tp1["metrics"]["train/loss"], rel=1e-5)
+    assert 0.0 <= tp1["metrics"]["teacher/top1_agreement"] <= 1.0
+
+
+def test_nan_in_the_in_step_teacher_is_an_error_naming_it_and_nothing_is_applied(models):
+    facts, = run_distributed(_in_step_teacher, 1, models["student"], models["teacher"], True)
+    assert "NaN" in facts["error"] and models["teacher"] in facts["error"]
+    assert facts["unchanged"]
+
+
+def _nonfinite_step(rank, world, student_dir):
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.train.batch import pack_sequences
+    from opkd_mcore.train.components import build_student
+    from opkd_mcore.train.optim import OptimConfig
+
+    init_parallel(ParallelConfig())
+    try:
+        engine, _ = build_student(student_dir, OptimConfig(lr=1e-2))
+        before = [p.detach().clone() for p in engine.parameters()]
+        batch = pack_sequences([[1, 4, 5, 6, 7]], [2])
+
+        def nan_loss(logits, b):
+            return logits.float().sum() * float("nan"), {}
+
+        metrics = engine.train_step([batch], nan_loss)
+        return metrics, all(torch.equal(a, b) for a, b in zip(before, engine.parameters()))
+    finally:
+        destroy_parallel()
+
+
+def test_nonfinite_step_is_skipped_and_counted(models):
+    (metrics, unchanged), = run_distributed(_nonfinite_step, 1, models["student"])
+    assert metrics["train/update_applied"] == 0.0 and metrics["train/skipped_steps"] == 1.0
+    assert unchanged
+
+
+# ---------------------------------------------------------------- end to end: opkd train
+def _run_train(models, name, nproc, *overrides):
+    out = str(models["root"] / name)
+    cfg = {
+        "model": {"student": models["student"]},
+        "parallel": {"micro_batch_size": 2, "global_batch_size": 8},
+        "loss": {"divergence": "forward_kl", "support": None},
+        "rollout": {"prompts_per_step": 4, "n": 2, "max_new_tokens": 4, "max_model_len": 64},
+        "teacher": {"teachers": [{"backend": "megatron", "model": models["teacher"]}]},
+        "optim": {"lr": 1e-3},
+        "data": {"num_train": 50, "num_eval": 10},
+        "logging": {"progress_bar": False},
+        "checkpoint": {"save_at_end": False, "export_hf_at_end": False},
+        "run": {"steps": 3, "output_dir": out},
+    }
+    path = models["root"] / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port()), "-m", "opkd_mcore.cli"]
+    proc = subprocess.run([*launcher, "train", "--config", str(path), *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f], proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_megatron_teacher_matches_hf_teacher_at_tp1_tp2_pp2(models):
+    hf, _ = _run_train(models, "hf_dense", 1, "teacher.teachers.0.backend=hf", "teacher.teachers.0.output=dense")
+    tp1, log = _run_train(models, "megatron_tp1", 1)
+    assert "loss: fused kernels (cpp)" in log
+    tp2, _ = _run_train(models, "megatron_tp2", 2, "parallel.tp=2")
+    pp2, _ = _run_train(models, "megatron_pp2", 2, "parallel.pp=2")
+    reference = [row["train/loss"] for row in hf]
+    assert len(reference) == 3 and reference[-1] < reference[0]
+    for run in (tp1, tp2, pp2):
+        assert [row["train/loss"] for row in run] == pytest.approx(reference, rel=1e-4)
+        assert all(row["teacher/nonfinite_rows"] == 0 and "teacher/top1_agreement" in row for row in run)
+        assert all(row["timing/teacher"] == 0.0 for row in run)  # scored inside the step
