@@ -18,6 +18,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def require_devices(n: int) -> None:
+    """Skip a test of `n` ranks on a GPU machine with fewer GPUs (on CPU any number of ranks runs)."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, this machine has {torch.cuda.device_count()}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

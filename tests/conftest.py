@@ -4,6 +4,15 @@ import pytest
 import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+# vLLM engines in tests take a small share of a GPU, so several (and the trainer) fit at once; on
+# CPU the share is ignored (VLLM_CPU_KVCACHE_SPACE sizes the cache)
+ENGINE_MEMORY = 0.12
+
+
+def engine_kwargs(**extra) -> dict:
+    """Keyword arguments for a `vllm.LLM` (or RolloutConfig / VllmTeacherConfig) built by a test."""
+    return {"gpu_memory_utilization": ENGINE_MEMORY, **extra}
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

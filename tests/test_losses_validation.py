@@ -61,7 +61,7 @@ def bad_cases():
         "k > V": ("k", student, dense, dict(support="union", k=V + 1)),
         "k > K": ("k", student, topk, dict(support="teacher", k=K + 1)),
         "k = 0": ("k", student, dense, dict(support="teacher", k=0)),
-        "bad impl": ("impl", student, dense, dict(impl="triton")),
+        "bad impl": ("impl", student, dense, dict(impl="cuda")),
         "teacher type": ("teacher", student, teacher, {}),
     }
 

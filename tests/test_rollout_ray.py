@@ -17,7 +17,7 @@ def test_split_evenly_covers_every_prompt_once():
 
 @pytest.mark.slow
 def test_two_engines_split_prompts_and_share_versions(tmp_path):
-    import ray
+    ray = pytest.importorskip("ray")
 
     from opkd_mcore.rollout.ray_rollout import RayRolloutGroup
 

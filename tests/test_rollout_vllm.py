@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from opkd_mcore.models.tiny import save_tiny_hf_model
 from opkd_mcore.rollout import RolloutConfig, SamplingConfig
+from tests.conftest import engine_kwargs
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +31,7 @@ def model_dir(tmp_path_factory):
 def rollout(model_dir):
     from opkd_mcore.rollout.vllm_rollout import VllmRollout
 
-    engine = VllmRollout(model_dir, RolloutConfig(dtype="float32", max_model_len=128))
+    engine = VllmRollout(model_dir, RolloutConfig(dtype="float32", max_model_len=128, **engine_kwargs()))
     yield engine
     engine.shutdown()
 
@@ -65,6 +66,39 @@ def test_n_samples_per_prompt_with_groups_and_version(rollout):
         assert s.weight_version == 0
     # four samples of one prompt at temperature 1 over a peaked-but-not-degenerate model differ
     assert len({tuple(s.response_ids) for s in samples[:4]}) > 1
+
+
+def test_seeds_are_per_prompt_and_per_sample_and_reproducible(rollout):
+    """The same prompt twice in one batch gets two independent streams (a shared per-request seed
+    made them identical); the same seeds give the same samples again, whatever the batching."""
+    sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=8, seed=11)
+    prompt = PROMPTS[2]
+    first = [s.response_ids for s in rollout.generate([prompt, prompt], sampling)]
+    assert first[:3] != first[3:]  # prompt copies differ
+    assert len({tuple(r) for r in first[:3]}) == 3  # so do the samples of one prompt
+    assert [s.response_ids for s in rollout.generate([prompt, prompt], sampling)] == first
+    seeded = rollout.generate([PROMPTS[0], prompt], SamplingConfig(n=3, temperature=1.0, max_new_tokens=8),
+                              seeds=[5, 6])
+    alone = rollout.generate([prompt], SamplingConfig(n=3, temperature=1.0, max_new_tokens=8), seeds=[6])
+    assert [s.response_ids for s in seeded[3:]] == [s.response_ids for s in alone]
+
+
+def test_raw_logprobs_are_the_models_at_temperature_one(model_dir, hf_model):
+    """`logprobs_mode=raw_logprobs` (what `opkd train` uses): sampled at T=0.7, the logprobs are
+    log softmax(z) -- comparable with the student's at T=1 in the policy-gradient ratio."""
+    from opkd_mcore.rollout.vllm_rollout import VllmRollout
+
+    engine = VllmRollout(model_dir, RolloutConfig(dtype="float32", max_model_len=128,
+                                                  logprobs_mode="raw_logprobs", **engine_kwargs()))
+    try:
+        samples = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=0.7, max_new_tokens=8, seed=2))
+    finally:
+        engine.shutdown()
+    for s in samples:
+        ref = torch.log_softmax(hf_response_logits(hf_model, s), dim=-1)
+        expected = ref[torch.arange(len(s.response_ids)), torch.tensor(s.response_ids)]
+        torch.testing.assert_close(torch.tensor(s.response_logprobs, dtype=torch.float64),
+                                   expected, atol=2e-3, rtol=0)
 
 
 def test_sampler_logprobs_match_transformers_with_temperature(rollout, hf_model):

@@ -16,6 +16,7 @@ from opkd_mcore.teacher.base import MalformedTeacherOutputError, TeacherError, T
 from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher, parse_completion_response
 from opkd_mcore.teacher.serve import TeacherServer, TeacherServerConfig
 from tests._dist import free_port
+from tests.conftest import ENGINE_MEMORY
 from tests.test_teacher_vllm import SEQUENCES, assert_same_topk, reference_logprobs
 
 SERVER_MAX_LOGPROBS = 16
@@ -30,7 +31,8 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("remote_log") / "server.log")
     cfg = TeacherServerConfig(model=model_dir, k=SERVER_MAX_LOGPROBS, port=free_port(),
-                              dtype="float32", max_model_len=64, served_model_name="teacher")
+                              dtype="float32", max_model_len=64, served_model_name="teacher",
+                              extra_args=[f"--gpu-memory-utilization={ENGINE_MEMORY}"])
     srv = TeacherServer(cfg, log_path=log, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     try:
         srv.wait_ready(timeout_s=900)

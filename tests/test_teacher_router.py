@@ -89,3 +89,14 @@ def test_router_config_errors():
         TeacherRouter({"a": dead_client()}, default="b")
     with pytest.raises(ValueError, match=r"teachers\['a'\]: expected at least one replica"):
         TeacherRouter({"a": []})
+
+
+@pytest.mark.parametrize("k", [None, 5])
+def test_nan_from_an_hf_teacher_is_an_error_naming_it(dirs, k):
+    from opkd_mcore.teacher.base import MalformedTeacherOutputError
+
+    teacher = TransformersTeacher(dirs["code"], k=k)
+    with torch.no_grad():
+        teacher.model.lm_head.weight[3].fill_(float("nan"))
+    with pytest.raises(MalformedTeacherOutputError, match=f"^{dirs['code']}, sequence 0: NaN"):
+        teacher.score(SEQS[:2])

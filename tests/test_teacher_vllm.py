@@ -7,6 +7,7 @@ import torch
 from opkd_mcore.losses.teacher_outputs import PAD_ID, TopKTeacher
 from opkd_mcore.models.tiny import save_tiny_hf_model
 from opkd_mcore.teacher.base import MalformedTeacherOutputError, topk_from_ranked
+from tests.conftest import engine_kwargs
 
 pytestmark = pytest.mark.vllm
 
@@ -23,8 +24,10 @@ def tempered_teacher(model_dir):
     from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
 
     # temperature != 1 builds the engine with unlimited logprobs; the k-only teacher reuses it
-    return VllmTeacher(model_dir, VllmTeacherConfig(k=8, temperature=0.6, dtype="float32",
-                                                    max_model_len=64))
+    teacher = VllmTeacher(model_dir, VllmTeacherConfig(k=8, temperature=0.6, dtype="float32",
+                                                       max_model_len=64, **engine_kwargs()))
+    yield teacher
+    teacher.close()
 
 
 def reference_logprobs(model_dir, seq, temperature=1.0):

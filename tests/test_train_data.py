@@ -68,3 +68,63 @@ def test_synthetic_datasets_from_config():
     train, held = build_datasets(DataSection(task="addition", task_digits=2, num_train=300, num_eval=40))
     assert len(train) == 300 and len(held) == 40
     assert train.data_source(0) == "addition"
+
+
+# ---------------------------------------------------------------- task rewards
+def reward_for_test(response: str, data: dict) -> float:
+    """A pluggable reward (`data.rewards: {src: "tests.test_train_data:reward_for_test"}`)."""
+    return float(len(response))
+
+
+def test_task_rewards_by_data_source_and_group_advantages():
+    import math
+
+    from opkd_mcore.data.rewards import TaskRewards, group_advantages
+
+    rewards = TaskRewards({"len": "tests.test_train_data:reward_for_test"})
+    assert rewards.score("abc", {"data_source": "len"}) == 3.0
+    assert rewards.score(" 250", {"data_source": "addition", "answer": "250"}) == 1.0  # default: exact match
+    with pytest.raises(ValueError, match="'code' has no answer"):
+        rewards.score("x", {"data_source": "code"})
+    with pytest.raises(ValueError, match="data.rewards.bad: cannot import 'nowhere:fn'"):
+        TaskRewards({"bad": "nowhere:fn"})
+    adv = group_advantages([1.0, 0.0, 1.0, 0.5, 0.5], [0, 0, 0, 1, 1])
+    mean, std = 2 / 3, math.sqrt(2 / 9)
+    assert adv[:3] == pytest.approx([(1 - mean) / std, -mean / std, (1 - mean) / std], rel=1e-5)
+    assert adv[3:] == [0.0, 0.0]  # equal rewards in a group: nothing to prefer
+
+
+# ---------------------------------------------------------------- prompts as token ids
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from opkd_mcore.models.tiny import save_tiny_hf_model
+
+    out = save_tiny_hf_model(str(tmp_path_factory.mktemp("tok") / "m"), seed=0, alphabet="0123456789+= abc")
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"
+    return tok
+
+
+def test_prompts_are_encoded_as_the_tokenizer_does_and_chats_through_the_template(chat_tokenizer):
+    from opkd_mcore.data import encode_prompt, encode_record
+
+    tok = chat_tokenizer
+    assert encode_prompt(tok, "12+3=") == tok("12+3=")["input_ids"] and encode_prompt(tok, "1")[0] == tok.bos_token_id
+    ds = PromptDataset([{"prompt": "1+2="}, {"messages": [{"role": "user", "content": "1+2"}]}])
+    chat = tok.apply_chat_template([{"role": "user", "content": "1+2"}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+    assert encode_record(tok, ds, 0) == tok("1+2=")["input_ids"]
+    assert encode_record(tok, ds, 1) == list(chat)
+    assert ds.prompt(1) == "1+2"
+    wrapped = tok.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+    assert encode_record(tok, ds, 0, "always") == list(wrapped)
+    with pytest.raises(ValueError, match="data record 1: has chat messages .* 'none'"):
+        encode_record(tok, ds, 1, "none")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="need a chat template"):
+        encode_record(tok, ds, 1)
+    with pytest.raises(ValueError, match="'messages' must be a non-empty list"):
+        PromptDataset([{"messages": "hi"}])

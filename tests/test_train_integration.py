@@ -20,7 +20,7 @@ import yaml
 
 from opkd_mcore.data import ALPHABET
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
-from tests._dist import free_port, run_distributed
+from tests._dist import free_port, require_devices, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 32
@@ -252,6 +252,7 @@ def test_nonfinite_step_is_skipped_and_counted(models):
 
 # ---------------------------------------------------------------- end to end: opkd train
 def _run_train(models, name, nproc, *overrides):
+    require_devices(nproc)
     out = str(models["root"] / name)
     cfg = {
         "model": {"student": models["student"]},
@@ -291,3 +292,19 @@ def test_megatron_teacher_matches_hf_teacher_at_tp1_tp2_pp2(models):
         assert [row["train/loss"] for row in run] == pytest.approx(reference, rel=1e-4)
         assert all(row["teacher/nonfinite_rows"] == 0 and "teacher/top1_agreement" in row for row in run)
         assert all(row["timing/teacher"] == 0.0 for row in run)  # scored inside the step
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_policy_gradient_form_at_temperature_07_with_task_rewards(models):
+    """The importance ratio compares like with like: on the first step (weights the rollout used)
+    the student's logprobs equal the sampler's at any sampling temperature, so |log r| ~ 0 and the
+    PPO clip never fires; task rewards enter as group-normalised advantages."""
+    rows, _ = _run_train(models, "pg_t07", 1, "loss.form=policy_gradient", "rollout.temperature=0.7",
+                         "teacher.teachers.0.backend=hf", "teacher.teachers.0.top_k=8",
+                         "loss.support=teacher", "loss.task_reward_coef=0.5",
+                         "data.rewards={addition: 'tests.test_train_data:reward_for_test'}", "run.steps=2")
+    first = rows[0]
+    assert first["pg/abs_log_ratio"] < 1e-4 and first["pg/clip_fraction"] == 0.0
+    assert first["reward/mean"] > 0 and first["train/update_applied"] == 1.0
+    assert "teacher/top1_agreement" in first

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from opkd_mcore.train.metrics import read_jsonl
+from tests._dist import require_devices
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -29,6 +30,7 @@ NONDETERMINISTIC = ("timing/", "perf/")
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    require_devices(2)
     from opkd_mcore.data import ALPHABET
     from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 

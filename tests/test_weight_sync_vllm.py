@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -19,10 +19,16 @@ import torch
 from opkd_mcore.weight_sync import BucketPlan, PlanMismatchError, TransportConfig, WeightSender, make_transport
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from opkd_mcore.weight_sync.receiver import VllmWeightReceiver
+from opkd_mcore.rollout.vllm_rollout import shutdown_llm
 from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle, run_concurrently
 from tests._dist import free_port, run_distributed
+from tests.conftest import engine_kwargs
 
 pytestmark = pytest.mark.vllm
+
+# On a GPU the engine shares the device with this process (one device cannot be two ranks of an
+# NCCL group): device IPC there, a gloo group on CPU -- what `weight_sync.transport: auto` picks.
+TRANSPORT = "colocated_ipc" if torch.cuda.is_available() else "group"
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9, 12, 4], [1, 3]]
 BUCKET_BYTES = 96 * 1024  # several buckets even for the tiny model
@@ -51,7 +57,7 @@ class ProbingReceiverForTest(VllmWeightReceiver):
                 # vLLM pads the vocabulary rows (to a multiple of 64): compare the real ones
                 rows = vocab if name.endswith(("embed_tokens.weight", "lm_head.weight")) else None
                 out[name] = param.detach()[:rows].clone()
-        return {k: (list(v.shape), v.numpy().tobytes()) for k, v in out.items()}
+        return {k: (list(v.shape), v.cpu().numpy().tobytes()) for k, v in out.items()}
 
 
 def _decode_probe(raw: dict) -> dict[str, torch.Tensor]:
@@ -114,10 +120,11 @@ def engine(checkpoints):
     import vllm
 
     llm = vllm.LLM(checkpoints["B"], dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                   **engine_kwargs(),
                    worker_extension_cls=f"{__name__}.ProbingReceiverForTest")
     fresh = {"probe": _decode_probe(llm.collective_rpc("probe_effective_weights")[0]), "tokens": greedy(llm)}
     yield llm, fresh
-    del llm
+    shutdown_llm(llm)
 
 
 def _groups(world_size=2):
@@ -125,7 +132,7 @@ def _groups(world_size=2):
 
 
 def _connect_both(handle, sender_transport, groups):
-    run_concurrently({"rollout join": lambda: handle.join_async(groups).result(),
+    run_concurrently({"rollout join": lambda: handle.join_async(groups, transport=TRANSPORT).result(),
                       "trainer join": sender_transport.connect}, TIMEOUT_S)
 
 
@@ -141,7 +148,7 @@ def test_sync_matches_source_bitwise_and_fresh_engine(engine, checkpoints):
     assert len(plan.buckets) > 3
     handle = VllmSyncHandle(llm)
     groups = _groups()
-    transport = make_transport("group", groups[0], rank=0)
+    transport = make_transport(TRANSPORT, groups[0], rank=0)
     _connect_both(handle, transport, groups)
     sender = WeightSender(plan, transport)
 
@@ -190,7 +197,7 @@ def test_plan_mismatch_names_the_tensor(engine, checkpoints, tmp_path, variant):
     plan = BucketPlan.from_named_tensors(state.items(), BUCKET_BYTES)
     handle = VllmSyncHandle(llm)
     groups = _groups()
-    transport = make_transport("group", groups[0], rank=0)
+    transport = make_transport(TRANSPORT, groups[0], rank=0)
     _connect_both(handle, transport, groups)
     sender = WeightSender(plan, transport)
     receiving = handle.receive_async()
@@ -262,10 +269,14 @@ def test_megatron_student_synced_matches_its_hf_export(engine, checkpoints, tmp_
     pp = LAYOUTS[layout].get("pp", 1)
     cfg = SyncGroupsConfig(base_port=free_port(), num_receivers=1, timeout_s=300, bucket_bytes=1 << 20)
     handle = VllmSyncHandle(llm)
-    joined = handle.join_async(cfg.stage_groups(pp))  # started before the trainers: both sides block
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("the Megatron trainer runs 2 ranks: needs 2 GPUs")
+    cfg = replace(cfg, transport=TRANSPORT)
+    joined = handle.join_async(cfg.stage_groups(pp), transport=TRANSPORT)  # both sides block until the other joins
     received = handle.receive_async()
     export_dir = str(tmp_path / "export")
-    per_rank = run_distributed(_megatron_trainer, 2, checkpoints["B"], export_dir, layout, asdict(cfg), version)
+    per_rank = run_distributed(_megatron_trainer, 2, checkpoints["B"], export_dir, layout, asdict(cfg), version,
+                               backend=None if torch.cuda.is_available() else "gloo")
     assert joined.result(60) == [1] and received.result(120) == [version]
 
     owners = [r for r in per_rank if r["owner"]]
@@ -288,12 +299,12 @@ def test_megatron_student_synced_matches_its_hf_export(engine, checkpoints, tmp_
     # reference 1: a fresh engine started from the HF export generates the same tokens
     import vllm
 
-    fresh_engine = vllm.LLM(export_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    fresh_engine = vllm.LLM(export_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                            **engine_kwargs())
     try:
         assert greedy(fresh_engine) == tokens_synced
     finally:
-        fresh_engine.llm_engine.engine_core.shutdown()
-        del fresh_engine
+        shutdown_llm(fresh_engine)
     # reference 2: vLLM's own checkpoint loader reads the export into the synced engine, bit for bit
     llm.collective_rpc("reload_weights", kwargs={"weights_path": export_dir})
     llm.reset_prefix_cache()

@@ -36,7 +36,7 @@ KNOWN_MODEL_SHAPES = {
     "Qwen/Qwen3-32B": dict(heads=64, kv_heads=8, layers=64, vocab=151936),
 }
 DEVICES = (None, *DEVICE_TYPES)
-TRANSPORTS = ("group", "colocated_ipc")  # keys of weight_sync.transport.TRANSPORTS
+TRANSPORTS = ("auto", "group", "colocated_ipc")  # "auto" + keys of weight_sync.transport.TRANSPORTS
 
 
 def _choice(path: str, value, options) -> None:

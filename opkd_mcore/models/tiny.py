@@ -37,6 +37,23 @@ class TinyModelShape:
     extra: dict = field(default_factory=dict)  # family-specific config overrides
 
 
+# Real model shapes (random weights: nothing can be downloaded where the benchmarks run)
+NAMED_SHAPES = {
+    "qwen3-0.6b": TinyModelShape(vocab_size=151936, hidden_size=1024, num_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                                 max_position_embeddings=40960, tie_word_embeddings=True),
+    "qwen3-1.7b": TinyModelShape(vocab_size=151936, hidden_size=2048, num_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, intermediate_size=6144,
+                                 max_position_embeddings=40960, tie_word_embeddings=True),
+    "qwen3-4b": TinyModelShape(vocab_size=151936, hidden_size=2560, num_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                               max_position_embeddings=40960, tie_word_embeddings=True),
+    "qwen3-8b": TinyModelShape(vocab_size=151936, hidden_size=4096, num_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                               max_position_embeddings=40960),
+}
+
+
 def make_char_tokenizer(alphabet: str):
     """A character-level `PreTrainedTokenizerFast`: ids 0..2 are <pad>, <bos>, <eos>, then `alphabet`.
 
@@ -83,7 +100,8 @@ def tiny_hf_config(family: str, shape: TinyModelShape, tokenizer=None):
 
 
 def save_tiny_hf_model(out_dir: str, family: str = "qwen3", shape: TinyModelShape | None = None,
-                       seed: int = 0, alphabet: str = "0123456789+= ", init_std: float = 0.02):
+                       seed: int = 0, alphabet: str = "0123456789+= ", init_std: float = 0.02,
+                       dtype: torch.dtype = torch.float32):
     """Write a random-weight HF checkpoint (safetensors + config + char tokenizer) to `out_dir`."""
     from transformers import AutoModelForCausalLM
 
@@ -91,8 +109,9 @@ def save_tiny_hf_model(out_dir: str, family: str = "qwen3", shape: TinyModelShap
     tokenizer = make_char_tokenizer(alphabet)
     config = tiny_hf_config(family, shape, tokenizer)
     config.initializer_range = init_std
+    config.torch_dtype = dtype
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -236,8 +236,14 @@ class VllmRollout:
                       group_id=group_id, data=dict(data))
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes."""
-        engine = getattr(self.llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        """Stop the engine's worker processes (their accelerator memory is freed with them)."""
+        shutdown_llm(self.llm)
+
+
+def shutdown_llm(llm) -> None:
+    """Stop a `vllm.LLM`'s engine core and workers now, rather than whenever it is collected: the
+    next engine on the same device can only start once this one's memory is back."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()

@@ -58,7 +58,9 @@ class VllmTeacher(Teacher):
         if isinstance(model, str):
             self._address = model
             self.llm = self._build_engine(model)
+            self._owns_engine = True
         else:
+            self._owns_engine = False
             self._address = f"in-process engine of {model.llm_engine.model_config.model}"
             self.llm = model
         self.max_logprobs, self.vocab_size = _engine_limits(self.llm)
@@ -68,6 +70,13 @@ class VllmTeacher(Teacher):
                 f"teacher.k: {self._address} returns at most {self.max_logprobs} logprobs per "
                 f"position, {needed} needed (k={self.cfg.k}, temperature={self.cfg.temperature}); "
                 "build the engine with a larger max_logprobs")
+
+    def close(self) -> None:
+        """Stop the engine this teacher built (an engine passed in belongs to the caller)."""
+        if self._owns_engine:
+            from opkd_mcore.rollout.vllm_rollout import shutdown_llm
+
+            shutdown_llm(self.llm)
 
     @property
     def _full_vocab(self) -> bool:

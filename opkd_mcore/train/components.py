@@ -143,6 +143,17 @@ def optim_config(cfg: TrainConfig) -> OptimConfig:
     return optim
 
 
+def colocated_transport(name: str, device: str | None) -> str:
+    """The transport for a rollout engine on rank 0's own device (the torchrun layout): "auto" is
+    device IPC on an accelerator (one device cannot be two ranks of an accelerator group) and the
+    gloo group on CPU."""
+    from opkd_mcore.platform import is_cpu
+
+    if name != "auto":
+        return name
+    return "group" if is_cpu(device) else "colocated_ipc"
+
+
 class WeightSyncer:
     """Student (Megatron, every rank) -> rollout engine (vLLM on rank 0), over per-stage groups;
     the rollout engine is paused while its weights change and then carries the new version."""
@@ -156,7 +167,7 @@ class WeightSyncer:
         port = port or int(os.environ.get("OPKD_SYNC_PORT", "0"))
         groups_cfg = SyncGroupsConfig(host=cfg.weight_sync.host, base_port=port,
                                       bucket_bytes=cfg.weight_sync.bucket_mb << 20,
-                                      transport=cfg.weight_sync.transport)
+                                      transport=colocated_transport(cfg.weight_sync.transport, cfg.run.device))
         self.rollout = rollout
         self.link = EngineWeightSync(MegatronWeightSync(chunks, groups_cfg),
                                      VllmSyncHandle(rollout.llm) if rollout is not None else None)

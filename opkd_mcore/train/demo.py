@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from opkd_mcore.data import ALPHABET, AdditionTask, encode_prompt
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+from opkd_mcore.platform.device import DEVICE_TYPES
 from opkd_mcore.train.sft import SftConfig
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="opkd demo", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small and short (CI): 1-digit addition")
     p.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    p.add_argument("--device", default=None, choices=DEVICE_TYPES,
+                   help="where the teacher SFT, the student and the vLLM engines run (default: auto-detect)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the distillation config")
     return p.parse_args(argv)
 
@@ -203,7 +206,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     demo = quick_demo() if args.quick else DemoConfig()
-    run_demo(demo, args.out, args.overrides)
+    overrides = list(args.overrides)
+    if args.device:
+        os.environ["OPKD_DEVICE"] = args.device  # the teacher SFT and every engine follow it
+        overrides.append(f"run.device={args.device}")
+    run_demo(demo, args.out, overrides)
     return 0
 
 

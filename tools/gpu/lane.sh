@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU lane on a lent machine (after `eval "$(bash tools/gpu/env.sh)"`), one step per argument;
+# logs and JSON go to $OUT (the device tool brings them back), figures into docs/benchmarks.md.
+#
+#   bash tools/gpu/lane.sh tests          # pytest -m "gpu or vllm": every vLLM test CI runs on CPU, on CUDA
+#   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
+#   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
+#   bash tools/gpu/lane.sh train2         # the same with student TP=2 over 2 GPUs
+#   bash tools/gpu/lane.sh demo           # opkd demo --device cuda
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+CFG=configs/gpu_qwen3_0.6b_from_1.7b.yaml
+
+gpu_memory_log() {  # peak used memory per GPU while "$@" runs
+  local log=$1; shift
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$log.smi" &
+  local smi=$!
+  "$@"; local rc=$?
+  kill $smi 2>/dev/null
+  python3 - "$log.smi" <<'PY' | tee -a "$log"
+import sys, collections
+peak = collections.defaultdict(int)
+for line in open(sys.argv[1]):
+    try:
+        idx, used = (int(x) for x in line.split(","))
+    except ValueError:
+        continue
+    peak[idx] = max(peak[idx], used)
+print("peak GPU memory (MiB):", dict(peak))
+PY
+  return $rc
+}
+
+case "${1:-}" in
+  tests)
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rs tests/ "${@:2}" 2>&1 | tee "$OUT/tests.log" ;;
+  models)
+    python3 tools/make_model.py --shape qwen3-0.6b --out /tmp/models/qwen3-0.6b --seed 1
+    python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 ;;
+  train1)
+    gpu_memory_log "$OUT/train1_vllm.log" python3 -m opkd_mcore.cli train --config $CFG \
+        run.output_dir=/tmp/runs/t1v "${@:2}" > "$OUT/train1_vllm.log" 2>&1
+    cp /tmp/runs/t1v/metrics.jsonl "$OUT/train1_vllm_metrics.jsonl"
+    gpu_memory_log "$OUT/train1_megatron.log" python3 -m opkd_mcore.cli train --config $CFG \
+        run.output_dir=/tmp/runs/t1m teacher.teachers.0.backend=megatron loss.support=null "${@:2}" \
+        > "$OUT/train1_megatron.log" 2>&1
+    cp /tmp/runs/t1m/metrics.jsonl "$OUT/train1_megatron_metrics.jsonl" ;;
+  train2)
+    gpu_memory_log "$OUT/train2_vllm.log" python3 -m torch.distributed.run --nproc_per_node 2 \
+        -m opkd_mcore.cli train --config $CFG parallel.tp=2 run.output_dir=/tmp/runs/t2v "${@:2}" \
+        > "$OUT/train2_vllm.log" 2>&1
+    cp /tmp/runs/t2v/metrics.jsonl "$OUT/train2_vllm_metrics.jsonl" ;;
+  demo)
+    start=$(date +%s)
+    python3 -m opkd_mcore.cli demo --device cuda --out /tmp/runs/demo "${@:2}" > "$OUT/demo.log" 2>&1
+    echo "demo wall time $(( $(date +%s) - start )) s" | tee -a "$OUT/demo.log"
+    cp /tmp/runs/demo/summary.json "$OUT/demo_summary.json" ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,42 @@
+"""Write a random-weight Hugging Face checkpoint of a real model shape (nothing is downloaded).
+
+The GPU benchmarks and the GPU `opkd train` runs use these: a Qwen3-shaped model with the project's
+character tokenizer (the vocabulary rows are padded to the shape's size), in bf16 or fp32.
+
+    python tools/make_model.py --shape qwen3-0.6b --out /tmp/models/student --dtype bf16
+    python tools/make_model.py --shape qwen3-1.7b --out /tmp/models/teacher --seed 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from opkd_mcore.data import ALPHABET  # noqa: E402
+from opkd_mcore.models.tiny import NAMED_SHAPES, save_tiny_hf_model  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", required=True, choices=sorted(NAMED_SHAPES), help="model shape")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weight dtype")
+    p.add_argument("--seed", type=int, default=1, help="init seed")
+    p.add_argument("--init-std", type=float, default=0.02, help="init standard deviation")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    save_tiny_hf_model(args.out, "qwen3", NAMED_SHAPES[args.shape], seed=args.seed, alphabet=ALPHABET,
+                       init_std=args.init_std, dtype=DTYPES[args.dtype])
+    print(f"wrote {args.shape} ({args.dtype}) to {args.out} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
