@@ -13,6 +13,8 @@ this file slots the TP collectives between them, as Megatron's vocab-parallel cr
 
 Extra memory is O(N) floats dense and O(N K) sparse: no [N, V] temporary in either direction.
 No `.item()` or other host sync: every per-row constant stays on the device.
+The collectives and the objective assembly (stats merge/reduce, dense loss, sparse objective,
+support ids) are module functions, shared with the fused LM-head loss (`fused_linear_kd.py`).
 The forward also yields the row statistics a trainer logs (teacher and student mass on the
 support) from the same [N, K] tensors, so logging never needs a second pass over the vocabulary.
 Shape legend: N tokens, V_local vocab entries on this rank, K support ids per token.
@@ -48,31 +50,50 @@ class KdSpec:
 
 
 # ---------------------------------------------------------------- TP collectives (explicit group)
-def _tp_size(group) -> int:
+def tp_size(group) -> int:
     # group None means "no tensor parallelism", not the default (world) group
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
-def _tp_rank(group) -> int:
-    return dist.get_rank(group) if _tp_size(group) > 1 else 0
+def tp_rank(group) -> int:
+    return dist.get_rank(group) if tp_size(group) > 1 else 0
 
 
-def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
-    if _tp_size(group) > 1:
+def all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
+    if tp_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def _reduce_stats(stats: torch.Tensor, group):
+def merge_stats(parts_SN6: torch.Tensor) -> torch.Tensor:
+    """Row stats of S disjoint vocabulary pieces `[S, N, 6]` -> the stats of their union `[N, 6]`.
+
+    The same rescaling as the TP reduce below, done locally (a fused LM head computes the stats of
+    vocabulary blocks, never of the whole shard at once): m = max_i m_i, l = sum_i l_i e^(m_i - m),
+    a (teacher-weighted) rescales with the teacher max, b (student-weighted) with the student max."""
+    if parts_SN6.shape[0] == 1:
+        return parts_SN6[0]
+    m = parts_SN6[:, :, [0, 2]].amax(dim=0)                                     # [N, 2]
+    scale = torch.exp(parts_SN6[:, :, [0, 2]] - m)                              # [S, N, 2]
+    out = torch.empty_like(parts_SN6[0])
+    out[:, [0, 2]] = m
+    out[:, 1] = (parts_SN6[:, :, 1] * scale[:, :, 0]).sum(dim=0)
+    out[:, 3] = (parts_SN6[:, :, 3] * scale[:, :, 1]).sum(dim=0)
+    out[:, 4] = (parts_SN6[:, :, 4] * scale[:, :, 1]).sum(dim=0)
+    out[:, 5] = (parts_SN6[:, :, 5] * scale[:, :, 0]).sum(dim=0)
+    return out
+
+
+def reduce_stats(stats: torch.Tensor, group):
     """Shard stats (m_s, l_s, m_u, l_u, a, b) -> global (lse [N, 2], a / l_u, b / l_s)."""
     m_local = stats[:, [0, 2]].contiguous()
-    m_global = _all_reduce(m_local.clone(), dist.ReduceOp.MAX, group)
+    m_global = all_reduce(m_local.clone(), dist.ReduceOp.MAX, group)
     scale = torch.exp(m_local - m_global)
     sums = torch.stack([stats[:, 1] * scale[:, 0], stats[:, 3] * scale[:, 1],
                         stats[:, 4] * scale[:, 1], stats[:, 5] * scale[:, 0]], dim=1)
-    sums = _all_reduce(sums, dist.ReduceOp.SUM, group)
+    sums = all_reduce(sums, dist.ReduceOp.SUM, group)
     lse = m_global + torch.log(sums[:, :2])
     return lse.contiguous(), sums[:, 2] / sums[:, 1], sums[:, 3] / sums[:, 0]
 
@@ -81,19 +102,23 @@ def _sharded_topk_ids(x_NV: torch.Tensor, k: int, offset: int, group) -> torch.T
     """Global ids `[N, k]` of the row-wise top-k over all shards (local top-k, all-gather, top-k)."""
     # top-k in the logits' own dtype: a float32 copy would be an [N, V] temporary
     vals, idx = x_NV.topk(min(k, x_NV.shape[1]), dim=1)
-    vals, idx = vals.float(), idx + offset
-    world = _tp_size(group)
+    return topk_over_group(vals.float(), idx + offset, k, group)
+
+
+def topk_over_group(vals_NC: torch.Tensor, ids_NC: torch.Tensor, k: int, group) -> torch.Tensor:
+    """Global ids `[N, k]` of the top-k among every rank's candidates (values float32, global ids)."""
+    world = tp_size(group)
     if world > 1:
-        all_vals = [torch.empty_like(vals) for _ in range(world)]
-        all_idx = [torch.empty_like(idx) for _ in range(world)]
-        dist.all_gather(all_vals, vals.contiguous(), group=group)
-        dist.all_gather(all_idx, idx.contiguous(), group=group)
-        vals, idx = torch.cat(all_vals, dim=1), torch.cat(all_idx, dim=1)
-    top = vals.topk(min(k, vals.shape[1]), dim=1).indices
-    return idx.gather(1, top)
+        all_vals = [torch.empty_like(vals_NC) for _ in range(world)]
+        all_idx = [torch.empty_like(ids_NC) for _ in range(world)]
+        dist.all_gather(all_vals, vals_NC.contiguous(), group=group)
+        dist.all_gather(all_idx, ids_NC.contiguous(), group=group)
+        vals_NC, ids_NC = torch.cat(all_vals, dim=1), torch.cat(all_idx, dim=1)
+    top = vals_NC.topk(min(k, vals_NC.shape[1]), dim=1).indices
+    return ids_NC.gather(1, top)
 
 
-def _union_ids(a_NK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
+def union_ids(a_NK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     """Row-wise set union, duplicates turned into padding (-1)."""
     ids = torch.cat([a_NK, b_NK], dim=1).sort(dim=1).values
     dup = torch.zeros_like(ids, dtype=torch.bool)
@@ -106,30 +131,38 @@ def _gather_support(x_NV: torch.Tensor, local_NK: torch.Tensor, inv_t: float, gr
     on_shard = local_NK >= 0
     idx = local_NK.clamp(0, x_NV.shape[1] - 1)
     vals = torch.where(on_shard, x_NV.gather(1, idx).float() * inv_t, 0.0)
-    return _all_reduce(vals, dist.ReduceOp.SUM, group)
+    return all_reduce(vals, dist.ReduceOp.SUM, group)
 
 
-# ---------------------------------------------------------------- the autograd Function
-def _dense_forward(backend, z, t, lse, a_over_lu, b_over_ls, spec, kind, inv_t, group):
-    """Full-vocabulary loss [N] and the per-row constants (factor, c1) of its gradient."""
+# ------------------------------------- objective assembly (shared with fused_linear_kd.py)
+def dense_loss(kind, beta, lse, a_over_lu, b_over_ls, local_jsd_sums, group):
+    """Full-vocabulary loss [N] and the per-row constants (factor, c1) of its gradient.
+
+    `local_jsd_sums()` gives this shard's [N, 2] JSD sums (a second pass; called for JSD only)."""
     lse_s, lse_u = lse[:, 0], lse[:, 1]
     if kind == "forward_kl":
         return a_over_lu - lse_u + lse_s, 1.0, torch.zeros_like(lse_s)
     if kind == "reverse_kl":
         loss = b_over_ls - lse_s + lse_u
         return loss, 1.0, loss
-    sums = _all_reduce(backend.jsd_sums(z, t, lse, inv_t, spec.beta), dist.ReduceOp.SUM, group)
-    return sums[:, 0].contiguous(), 1.0 - spec.beta, sums[:, 1].contiguous()
+    sums = all_reduce(local_jsd_sums(), dist.ReduceOp.SUM, group)
+    return sums[:, 0].contiguous(), 1.0 - beta, sums[:, 1].contiguous()
 
 
-def _sparse_objective_split(s_S, lse_s, log_p_S, valid, spec, need_grad, group, backend=None):
+def local_support_ids(ids_NK: torch.Tensor, offset: int, v_local: int) -> torch.Tensor:
+    """Global support ids -> shard-local column ids, -1 where the id is padding or on another shard."""
+    local = ids_NK - offset
+    return torch.where((ids_NK >= 0) & (local >= 0) & (local < v_local), local, -1)
+
+
+def sparse_objective_split(s_S, lse_s, log_p_S, valid, spec, need_grad, group, backend=None):
     """The objective on TP-replicated [N, K] inputs -> replicated (loss, dL/ds_S, dL/dlse).
 
     A backend with its own `sparse_objective` (Triton: one launch, ~0.1 ms for N=16384, K=256)
     runs it on every rank. The torch version (C++ / NPU backends) is ~30 launches of float64 ops
     with autograd: there each rank does 1/TP of the rows and one all-gather of (loss, dL/dlse,
     dL/ds_S) makes the result replicated again, so that work and its temporaries shrink with TP."""
-    world = _tp_size(group)
+    world = tp_size(group)
     args = (spec.divergence, spec.beta, spec.mass, spec.coverage_coef)
     fused_objective = getattr(backend, "sparse_objective", None)
     if fused_objective is not None or world == 1:
@@ -138,7 +171,7 @@ def _sparse_objective_split(s_S, lse_s, log_p_S, valid, spec, need_grad, group, 
     objective = sparse_objective_and_grads
     n, k = s_S.shape
     rows = -(-n // world)
-    lo = min(n, _tp_rank(group) * rows)
+    lo = min(n, tp_rank(group) * rows)
     hi = min(n, lo + rows)
     loss, d_s, d_lse = objective(s_S[lo:hi], lse_s[lo:hi], log_p_S[lo:hi], valid[lo:hi], *args,
                                  need_grad=need_grad)
@@ -159,11 +192,11 @@ def _support_ids(z, t, ids, spec, offset, group):
         return ids
     teacher_top = _sharded_topk_ids(t, spec.k, offset, group)
     if spec.support == "union":
-        return _union_ids(teacher_top, _sharded_topk_ids(z, spec.k, offset, group))
+        return union_ids(teacher_top, _sharded_topk_ids(z, spec.k, offset, group))
     return teacher_top
 
 
-def _support_masses(s_S, lse_s, log_p_S, valid):
+def support_masses(s_S, lse_s, log_p_S, valid):
     """(Σ_S p, Σ_S q) per row from the [N, K] support tensors; 0 on all-padding rows."""
     zero = torch.zeros_like(s_S)
     teacher = torch.where(valid, torch.exp(log_p_S), zero).sum(dim=1)
@@ -171,6 +204,7 @@ def _support_masses(s_S, lse_s, log_p_S, valid):
     return teacher, student
 
 
+# ---------------------------------------------------------------- the autograd Function
 class FusedKdLoss(torch.autograd.Function):
     """forward(student [N, V_local], teacher [N, V_local] | None, ids [N, K] | None,
     logprobs [N, K] | None, spec, backend, group, inplace_grad)
@@ -184,31 +218,31 @@ class FusedKdLoss(torch.autograd.Function):
         kind = effective_divergence(spec.divergence, spec.beta)
         dense_teacher = t is not None
         # one pass gives both log-partitions (a dense teacher's is also needed for log p_S)
-        lse, a_over_lu, b_over_ls = _reduce_stats(backend.row_stats(z, t, inv_t), group)
+        lse, a_over_lu, b_over_ls = reduce_stats(backend.row_stats(z, t, inv_t), group)
         ctx.spec, ctx.backend, ctx.inplace = spec, backend, inplace_grad
         ctx.dense = spec.support is None
         if ctx.dense:
-            loss, factor, c1 = _dense_forward(backend, z, t, lse, a_over_lu, b_over_ls, spec, kind, inv_t, group)
+            loss, factor, c1 = dense_loss(kind, spec.beta, lse, a_over_lu, b_over_ls,
+                                          lambda: backend.jsd_sums(z, t, lse, inv_t, spec.beta), group)
             ctx.code, ctx.factor = DIV_CODES[kind], factor
             ctx.save_for_backward(z, t, lse, c1)
             teacher_mass, student_mass = torch.ones_like(loss), torch.ones_like(loss)
             ctx.mark_non_differentiable(teacher_mass, student_mass)
             return loss, teacher_mass, student_mass
         v_local = z.shape[1]
-        offset = _tp_rank(group) * v_local
+        offset = tp_rank(group) * v_local
         ids = _support_ids(z, t, ids, spec, offset, group)
-        local = ids - offset
-        local = torch.where((ids >= 0) & (local >= 0) & (local < v_local), local, -1)
+        local = local_support_ids(ids, offset, v_local)
         s_S = _gather_support(z, local, inv_t, group)
         valid = ids >= 0
         if dense_teacher:
             log_p_S = _gather_support(t, local, inv_t, group) - lse[:, 1:2]
         else:
             log_p_S = logprobs.float()
-        loss, d_s, d_lse = _sparse_objective_split(s_S, lse[:, 0], log_p_S, valid, spec,
+        loss, d_s, d_lse = sparse_objective_split(s_S, lse[:, 0], log_p_S, valid, spec,
                                                    ctx.needs_input_grad[0], group, backend)
         ctx.save_for_backward(z, local, s_S, d_s, d_lse, lse)
-        teacher_mass, student_mass = _support_masses(s_S, lse[:, 0], log_p_S, valid)
+        teacher_mass, student_mass = support_masses(s_S, lse[:, 0], log_p_S, valid)
         ctx.mark_non_differentiable(teacher_mass, student_mass)
         return loss, teacher_mass, student_mass
 

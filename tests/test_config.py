@@ -78,7 +78,9 @@ def test_shipped_configs_validate(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     recipe = load_config(os.path.join(ROOT, "configs", "qwen3_8b_from_32b.yaml"), check_files=False)
     assert recipe.model.student == "Qwen/Qwen3-8B" and recipe.parallel.world_size == 8
-    demo = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), check_files=False)
+    from opkd_mcore.train.demo import demo_config_path
+
+    demo = load_config(demo_config_path(), check_files=False)
     assert demo.teacher.teachers[0].backend == "vllm"
 
 
@@ -116,7 +118,8 @@ def test_shipped_configs_validate(tmp_path, monkeypatch):
     (["data.task=null"], "data.train_path", "synthetic"),
     (["data.train_path=prompts.csv"], "data.train_path", ".jsonl or .parquet"),
     (["data.train_path=/no/such.jsonl"], "data.train_path", "does not exist"),
-    (["run.schedule=async"], "run.schedule", "expected one of"),
+    (["run.schedule=fully_async"], "run.schedule", "expected one of"),
+    (["run.schedule=async"], "run.schedule", "needs controller.kind: ray"),
     (["optim.lr_decay_style=exp"], "optim.lr_decay_style", "expected one of"),
     (["optim.lrate=0.1"], "optim.lrate", "unknown key"),
     (["teacher.teachers.0.backend=tgi"], "teacher.teachers.0.backend", "expected one of"),

@@ -51,23 +51,56 @@ def test_student_learns_from_teacher(demo_dir):
         assert key in rows[0], key
 
 
+def _records(out):
+    with open(os.path.join(out, "eval.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 @torch.no_grad()
-def test_reported_accuracy_recomputes_with_transformers(demo_dir):
+def _plain_transformers_accuracy(model_dir: str, records) -> float:
+    """Greedy `generate` the standard way: `tokenizer(prompt)` and nothing else of this project."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    correct = 0
+    for r in records:
+        inputs = tok(r["prompt"], return_tensors="pt")
+        gen = model.generate(**inputs, max_new_tokens=len(r["answer"]) + 1, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        text = tok.decode(gen[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += text.replace(" ", "") == r["answer"]
+    return correct / len(records)
+
+
+def test_reported_accuracy_recomputes_with_plain_transformers(demo_dir):
+    out, _ = demo_dir
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    records = _records(out)
+    assert _plain_transformers_accuracy(os.path.join(out, "student_hf"), records) == \
+        pytest.approx(summary["student_accuracy_after"])
+    assert _plain_transformers_accuracy(os.path.join(out, "teacher_hf"), records) == \
+        pytest.approx(summary["teacher_accuracy"])
+
+
+def test_vllm_text_prompts_reproduce_the_reported_accuracy(demo_dir):
+    """What `vllm serve student_hf` would answer: text prompts, the checkpoint's own tokenizer."""
+    import vllm
+
+    from opkd_mcore.rollout.vllm_rollout import shutdown_llm
+    from tests.conftest import engine_kwargs
 
     out, _ = demo_dir
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
-    student = os.path.join(out, "student_hf")
-    tok = AutoTokenizer.from_pretrained(student)
-    model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
-    with open(os.path.join(out, "eval.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    correct = 0
-    for r in records:
-        prompt = [tok.bos_token_id] + tok.encode(r["prompt"], add_special_tokens=False)
-        gen = model.generate(torch.tensor([prompt]), max_new_tokens=len(r["answer"]) + 1, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        text = tok.decode(gen[0, len(prompt):], skip_special_tokens=True).replace(" ", "")
-        correct += text == r["answer"]
+    records = _records(out)
+    llm = vllm.LLM(os.path.join(out, "student_hf"), dtype="float32", enforce_eager=True, max_model_len=64,
+                   **engine_kwargs())
+    try:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=len(records[0]["answer"]) + 1)
+        outputs = llm.generate([r["prompt"] for r in records], params, use_tqdm=False)
+    finally:
+        shutdown_llm(llm)
+    correct = sum(o.outputs[0].text.replace(" ", "") == r["answer"] for o, r in zip(outputs, records))
     assert correct / len(records) == pytest.approx(summary["student_accuracy_after"])

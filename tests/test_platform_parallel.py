@@ -2,6 +2,7 @@
 the model-parallel RNG tracker on CPU, and the SDPA core attention against a float64 reference."""
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import threading
@@ -159,20 +160,52 @@ def _attention(heads=4, groups=2, d=8):
     return SdpaCoreAttention(cfg, layer_number=1, attn_mask_type=SimpleNamespace(name="causal")).eval()
 
 
-def test_sdpa_attention_packed_gqa_matches_float64_reference():
+def _packed_params(lengths):
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)), cu.tolist()
+
+
+@pytest.mark.parametrize("budget", [0.0, 1e9], ids=["per-sequence", "padded-batch"])
+def test_sdpa_attention_packed_gqa_matches_float64_reference(monkeypatch, budget):
+    from opkd_mcore.platform import sdpa_attention
+
+    monkeypatch.setattr(sdpa_attention, "PADDED_BATCH_BUDGET", budget)
     torch.manual_seed(0)
     lengths = [3, 1, 5]
     t = sum(lengths)
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
-    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=5, max_seqlen_kv=5)
+    params, bounds = _packed_params(lengths)
     out = _attention()(q, k, v, None, packed_seq_params=params)
-    expected = _reference_attention(q, k, v, [(0, 3), (3, 4), (4, 9)], 1 / math.sqrt(8))
+    expected = _reference_attention(q, k, v, list(zip(bounds[:-1], bounds[1:])), 1 / math.sqrt(8))
     assert out.shape == (t, 32)
     torch.testing.assert_close(out.double(), expected.reshape(t, 32), rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_attention_padded_batch_and_per_sequence_agree_with_gradients(monkeypatch):
+    """The one-call padded batch and the per-sequence loop: same outputs and input gradients,
+    including a pipeline-padding tail past the last sequence (its output stays 0)."""
+    from opkd_mcore.platform import sdpa_attention
+
+    torch.manual_seed(2)
+    lengths = [4, 6, 5, 2]
+    t = sum(lengths) + 3
+    inputs = [torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)]
+    params, _ = _packed_params(lengths)
+    results = []
+    for budget in (0.0, 1e9):
+        monkeypatch.setattr(sdpa_attention, "PADDED_BATCH_BUDGET", budget)
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = _attention()(*leaves, None, packed_seq_params=params)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), [x.grad for x in leaves]))
+    (out_loop, grads_loop), (out_batch, grads_batch) = results
+    assert torch.equal(out_batch[sum(lengths):], torch.zeros_like(out_batch[sum(lengths):]))
+    torch.testing.assert_close(out_batch, out_loop, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_batch, grads_loop):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_sdpa_attention_batched_sbhd_matches_reference():

@@ -15,6 +15,11 @@ pytestmark = pytest.mark.vllm
 
 CHAT_TEMPLATE = "<bos>{% for m in messages %}{{ m['content'] }}={% endfor %}"
 PROMPTS = [[1, 4, 5, 6], [1, 7, 8], [1, 9, 10, 11, 12]]
+# float32 engine vs float64 transformers. On CPU: float32 rounding of logits of size ~5 over a
+# 256-entry softmax, well inside 2e-3. On a GPU, vLLM's Triton attention multiplies float32 inputs
+# in TF32 (10-bit mantissa, unit roundoff 2^-11 ~ 4.9e-4, relative), which moves logprobs of this
+# size by a few 1e-3 (2.6e-3 seen on an H200): the bound follows the arithmetic of the device.
+LOGPROB_ATOL = 6e-3 if torch.cuda.is_available() else 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +103,7 @@ def test_raw_logprobs_are_the_models_at_temperature_one(model_dir, hf_model):
         ref = torch.log_softmax(hf_response_logits(hf_model, s), dim=-1)
         expected = ref[torch.arange(len(s.response_ids)), torch.tensor(s.response_ids)]
         torch.testing.assert_close(torch.tensor(s.response_logprobs, dtype=torch.float64),
-                                   expected, atol=2e-3, rtol=0)
+                                   expected, atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_sampler_logprobs_match_transformers_with_temperature(rollout, hf_model):
@@ -109,7 +114,7 @@ def test_sampler_logprobs_match_transformers_with_temperature(rollout, hf_model)
         ref = torch.log_softmax(hf_response_logits(hf_model, s) / temperature, dim=-1)
         expected = ref[torch.arange(len(s.response_ids)), torch.tensor(s.response_ids)]
         torch.testing.assert_close(torch.tensor(s.response_logprobs, dtype=torch.float64),
-                                   expected, atol=2e-3, rtol=0)
+                                   expected, atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_top_k_sampling_stays_in_top_k_and_renormalises(rollout, hf_model):
@@ -122,7 +127,7 @@ def test_top_k_sampling_stays_in_top_k_and_renormalises(rollout, hf_model):
         for t, tok in enumerate(s.response_ids):
             assert tok in top_ids[t].tolist(), f"token {tok} at step {t} outside the top-{top_k}"
             expected = logits[t, tok] - torch.logsumexp(top_vals[t], dim=0)
-            assert abs(s.response_logprobs[t] - expected.item()) < 2e-3
+            assert abs(s.response_logprobs[t] - expected.item()) < LOGPROB_ATOL
 
 
 def test_greedy_stop_token_ends_response(rollout):

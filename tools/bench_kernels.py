@@ -15,6 +15,10 @@ that aliases its input), so the peak extra memory includes each method's gradien
 Launch (TP=1):  python tools/bench_kernels.py --out bench.json      (also `opkd bench kernels`)
         (TP=2): torchrun --nproc_per_node 2 tools/bench_kernels.py --out bench_tp2.json
 CPU: --device cpu benchmarks the C++ twin against the reference path (wall clock).
+--mode lm_head: the fused LM head (output layer + loss, no logits) against the GEMMs alone, the
+unfused path, torch.compile, Liger's fused linear JSD and Cut Cross-Entropy (tools/bench_lm_head.py):
+    python tools/bench_kernels.py --mode lm_head --out lm_head.json
+    torchrun --nproc_per_node 2 tools/bench_kernels.py --mode lm_head --out lm_head_tp2.json
 """
 from __future__ import annotations
 
@@ -55,7 +59,20 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per cell")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="cpu = C++ twin")
     p.add_argument("--out", default=None, help="write the JSON here")
-    return p.parse_args(argv)
+    p.add_argument("--mode", default="logits", choices=["logits", "lm_head"],
+                   help="logits: the loss on given logits; lm_head: output layer + loss (GPU only)")
+    p.add_argument("--hidden", type=int, default=4096, help="lm_head: hidden size H of student and teacher")
+    args = p.parse_args(argv)
+    if args.mode == "lm_head":   # its own defaults where the user left the logits mode's
+        from tools.bench_lm_head import LM_HEAD_METHODS, LM_HEAD_OBJECTIVES
+
+        if args.shapes == p.get_default("shapes"):
+            args.shapes = "16384x151936"
+        if args.objectives == p.get_default("objectives"):
+            args.objectives = ",".join(LM_HEAD_OBJECTIVES)
+        if args.methods == p.get_default("methods"):
+            args.methods = LM_HEAD_METHODS
+    return args
 
 
 # ---------------------------------------------------------------- setup
@@ -281,15 +298,23 @@ def main(argv=None):
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     group, rank, tp = init_group(device)
     rows = []
+    if args.mode == "lm_head":
+        from tools.bench_lm_head import bench_lm_head_cell, print_lm_head_table
+
+        if device != "cuda":
+            raise SystemExit("--mode lm_head: benchmarks the Triton tiles, needs a CUDA device")
     for shape in args.shapes.split(","):
         n, vocab = (int(x) for x in shape.lower().split("x"))
         for name in args.objectives.split(","):
-            rows += bench_cell(n, vocab, name, args, group, rank, tp, device)
+            if args.mode == "lm_head":
+                rows += bench_lm_head_cell(n, args.hidden, vocab, name, args, group, rank, tp, timed)
+            else:
+                rows += bench_cell(n, vocab, name, args, group, rank, tp, device)
     if rank == 0:
-        print_table(rows)
+        (print_lm_head_table if args.mode == "lm_head" else print_table)(rows)
         meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
                     device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-                    tp=tp, argv=sys.argv[1:])
+                    tp=tp, mode=args.mode, argv=sys.argv[1:])
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -9,6 +9,7 @@ JSON with --json.
 
     python tools/bench_weight_sync.py --shape qwen3-8b --dtype bf16 --iters 5
     python tools/bench_weight_sync.py --shape tiny --device cpu        # smoke run on a laptop
+    python tools/bench_weight_sync.py --e2e --shape qwen3-8b --layout tp1-disagg   # Megatron -> vLLM (GPU)
     opkd bench weight-sync --shape qwen3-8b
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # weight_sync_e2e
 
 # name -> (hidden, layers, intermediate, vocab, heads, kv_heads, head_dim)
 SHAPES = {
@@ -47,6 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--no-load", action="store_true", help="receiver skips copying into its model")
     p.add_argument("--same-device", action="store_true", help="both processes on device 0 (colocated)")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--e2e", action="store_true",
+                   help="end to end: Megatron export + transfer + load into a running vLLM engine (GPU)")
+    p.add_argument("--layout", default="tp1-disagg", help="--e2e: tp1-disagg | tp1-coloc | tp2-coloc")
+    p.add_argument("--model-dir", default=None, help="--e2e: HF checkpoint to use (default: random, --shape)")
     return p.parse_args(argv)
 
 
@@ -155,6 +161,15 @@ def _median(xs):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.e2e:
+        from weight_sync_e2e import print_row, run_e2e
+
+        row = run_e2e(args)
+        print_row(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(row, f, indent=1)
+        return 0 if row["engine_version"] == args.warmup + args.iters else 1
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=worker, args=(r, args, port, queue)) for r in (0, 1)]

@@ -1,6 +1,6 @@
 """Convert checkpoints between Hugging Face safetensors and Megatron distributed checkpoints.
 
-    python tools/convert_ckpt.py hf-to-mcore --hf-dir IN --out OUT --tp N --pp M [--vpp V] [--force]
+    python tools/convert_ckpt.py hf-to-mcore --hf-dir IN --out OUT --tp N --pp M [--vpp V] [--ep E] [--force]
     python tools/convert_ckpt.py mcore-to-hf --mcore-dir IN --out OUT [--force]
 
 Same as `opkd convert ...`. Runs as a plain script (spawns the ranks it needs over gloo on the CPU)

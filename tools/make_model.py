@@ -30,10 +30,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weight dtype")
     p.add_argument("--seed", type=int, default=1, help="init seed")
     p.add_argument("--init-std", type=float, default=0.02, help="init standard deviation")
+    p.add_argument("--device", default="cpu", help="where the random init runs (cuda: seconds for 8B)")
     args = p.parse_args(argv)
     start = time.perf_counter()
     save_tiny_hf_model(args.out, "qwen3", NAMED_SHAPES[args.shape], seed=args.seed, alphabet=ALPHABET,
-                       init_std=args.init_std, dtype=DTYPES[args.dtype])
+                       init_std=args.init_std, dtype=DTYPES[args.dtype], device=args.device)
     print(f"wrote {args.shape} ({args.dtype}) to {args.out} in {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -3,14 +3,15 @@ from opkd_mcore.config.loader import (
     ConfigError, apply_overrides, dump_config, from_dict, load_config, to_dict,
 )
 from opkd_mcore.config.schema import (
-    CheckpointSection, DataSection, LoggingSection, LossSection, ModelSection, 
+    CheckpointSection, ControllerSection, DataSection, LoggingSection, LossSection, ModelSection, 
     ParallelSection, RolloutSection, RunSection, TeacherSection, TeacherEndpoint, TrainConfig,
     WeightSyncSection,
 )
 from opkd_mcore.config.validate import launch_world_size, validate_config
 
 __all__ = [
-    "CheckpointSection", "ConfigError", "DataSection", "LoggingSection", "LossSection", "ModelSection",
+    "CheckpointSection", "ConfigError", "ControllerSection", "DataSection", "LoggingSection", "LossSection",
+    "ModelSection",
     "ParallelSection", "RolloutSection", "RunSection", "TeacherSection",
     "TeacherEndpoint", "TrainConfig", "WeightSyncSection", "apply_overrides", "dump_config",
     "from_dict", "launch_world_size", "load_config", "to_dict", "validate_config",

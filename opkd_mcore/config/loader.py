@@ -1,6 +1,6 @@
 """YAML + dotted overrides -> typed `TrainConfig`, with the key path in every error.
 
-    cfg = load_config("configs/demo_cpu.yaml", ["loss.divergence=jsd", "loss.beta=0.3"])
+    cfg = load_config("configs/qwen3_8b_from_32b.yaml", ["loss.divergence=jsd", "loss.beta=0.3"])
 
 Overrides are `path=value`; the value is parsed as YAML (`3`, `0.3`, `null`, `[a, b]`, `true`).
 A path names an existing key (no Hydra-style `+key`); list items are addressed by index

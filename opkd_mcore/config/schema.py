@@ -19,12 +19,19 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOSS_FORMS = ("logit", "policy_gradient")
 KL_ESTIMATORS = ("k1", "k3")
 LOSS_IMPLS = ("auto", "reference", "fused", "triton", "cpp")
+FUSED_LM_HEAD_MODES = ("auto", "on", "off")
 TEACHER_BACKENDS = ("vllm", "remote", "hf", "megatron")
-TEACHER_OUTPUTS = ("auto", "topk", "dense")  # auto: dense for megatron, top-k for the others
+TEACHER_OUTPUTS = ("auto", "topk", "dense", "hidden")  # auto: dense for megatron, top-k for the others
+HIDDEN_BACKENDS = ("vllm", "remote")  # backends that can hand over final-norm hidden states
 TOPK_BACKENDS = ("vllm", "remote", "hf")
 DENSE_BACKENDS = ("megatron", "hf")  # backends that can hand the loss full-vocabulary logits
 ROUTINGS = ("data_source",)
-SCHEDULES = ("sync",)
+SCHEDULES = ("sync", "one_step_off", "two_step_off", "async")
+OVERLAPPED_SCHEDULES = ("one_step_off", "two_step_off", "async")  # need controller.kind: ray
+STALE_POLICIES = ("drop", "truncated_is")
+IN_FLIGHT_UPDATES = ("finish", "abort_resume")
+CONTROLLERS = ("torchrun", "ray")
+PLACEMENTS = ("disaggregated", "colocated")
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("addition",)
 CHAT_TEMPLATES = ("auto", "always", "none")
@@ -48,7 +55,8 @@ class ParallelSection:
     pp: int = 1  # pipeline parallel size (must divide the layer count)
     vpp: int | None = None  # virtual pipeline chunks per stage; None = off (needs pp > 1)
     cp: int = 1  # context parallel size; must be 1: the SDPA core attention has no CP
-    ep: int = 1  # expert parallel size (MoE only; must be 1 until an MoE family is bridged)
+    ep: int = 1  # expert parallel size: MoE students only, must divide the number of experts
+    etp: int | None = None  # expert tensor-parallel size (MoE); None = tp
     micro_batch_size: int = 1  # sequences per packed micro-batch on each DP rank
     global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
     world_size: int | None = None  # ranks the run expects; None = the launcher's WORLD_SIZE (or 1)
@@ -67,12 +75,14 @@ class LossSection:
     mass: str = "renorm"  # renorm | tail | raw (forward KL only)
     coverage_coef: float = 0.0  # TCAD coverage regulariser weight (-log of student mass on S)
     impl: str = "auto"  # auto: fused kernels where built (Triton on GPU, C++ twin on CPU) | reference | fused | triton | cpp (error if unavailable)
+    fused_lm_head: str | bool = "auto"  # output layer + loss as one call, no logits: auto (on where Triton runs and the objective/teacher are covered) | on | off (YAML's bare on/off = true/false also work)
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     confidence_alpha: float = 0.0  # TCAD teacher-confidence sequence weights; 0 = uniform
     kl_estimator: str = "k3"  # policy-gradient form: k1 | k3 sampled-token KL estimator
     pg_coef: float = 1.0  # policy-gradient form: advantage = -pg_coef * sampled KL
     clip_eps: float = 0.2  # policy-gradient form: PPO clip range
     task_reward_coef: float = 0.0  # policy-gradient form: weight of task-reward (GRPO) advantages
+    moe_aux_loss_coef: float = 0.0  # MoE students: router load-balancing loss weight (Megatron's aux_loss); 0 = off
 
 
 @dataclass(kw_only=True)
@@ -103,7 +113,7 @@ class TeacherEndpoint:
     data_sources: list[str] = field(default_factory=list)  # routed here; empty = default teacher
     replica_urls: list[str] = field(default_factory=list)  # more servers of this teacher (remote),
     # load-balanced: each chunk of sequences goes to the least-loaded reachable replica
-    output: str = "auto"  # auto | topk | dense (megatron, hf): what the teacher hands the loss
+    output: str = "auto"  # auto | topk | dense (megatron, hf) | hidden (vllm, remote: hidden states, the trainer applies the teacher's output weight from `model`)
     offload: bool = False  # megatron: keep the teacher's weights in host memory between steps
 
 
@@ -173,9 +183,30 @@ class RunSection:
     output_dir: str = "runs/opkd"  # run directory: config.yaml, metrics.jsonl, checkpoints, student_hf
     steps: int = 10  # optimizer steps
     seed: int = 1234  # global seed (model init RNG, dropout)
-    schedule: str = "sync"  # sync (in order); overlapping schedules come with the Ray controller
+    schedule: str = "sync"  # sync (in order) | one_step_off | two_step_off | async (these three need controller.kind: ray)
+    max_staleness: int = 1  # async: weight versions a trained sample may lag the trainer by; also bounds the queue
+    stale_policy: str = "drop"  # async: a sample past max_staleness is dropped (prompt re-generated) | truncated_is (kept, weighted)
+    is_truncation: float = 2.0  # truncated_is: cap C of a stale sequence's weight min(ratio, C), ratio vs the sampler's logprobs
+    in_flight_update: str = "finish"  # async: generations in flight at a weight update finish on the old weights | abort_resume
+    partial_rollout_tokens: int = 8  # abort_resume: tokens per engine call; an update waits at most one such chunk
     device: str | None = None  # one of opkd_mcore.platform.DEVICE_TYPES; None = auto-detect
     overwrite: bool = False  # a fresh run may replace an output_dir that already holds checkpoints
+
+
+@dataclass(kw_only=True)
+class ControllerSection:
+    """Who runs the stages: one SPMD job (torchrun) or the Ray controller's worker groups."""
+
+    kind: str = "torchrun"  # torchrun: one SPMD job, rollout and teachers on rank 0 | ray: worker groups as Ray actors
+    placement: str = "disaggregated"  # ray: disaggregated (own devices per group) | colocated (rollout on the trainer's devices)
+    rollout_engines: int = 1  # ray: data-parallel vLLM rollout engines (each its own actor)
+    rollout_tp: int = 1  # ray: tensor-parallel size of each rollout engine (devices per engine)
+    teacher_replicas: int = 1  # ray: actors per in-process scoring teacher (vllm, hf); a remote teacher gets one per URL
+    teachers_with_rollout: bool = False  # ray, disaggregated: teachers share the rollout engines' devices (rollout_tp 1)
+    cpus_per_worker: float = 1.0  # ray: CPUs each actor reserves (Ray places by declared resources, not load)
+    max_restarts: int = 3  # ray: restarts of a dead rollout or teacher actor before the run stops
+    sync_timeout_s: float = 300.0  # ray: deadline of a weight-sync group join or transfer (the error names group, ranks, bucket)
+    call_timeout_s: float = 1800.0  # ray: deadline of one stage call (rollout, scoring, train step, checkpoint)
 
 
 @dataclass(kw_only=True)
@@ -193,3 +224,4 @@ class TrainConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run: RunSection = field(default_factory=RunSection)
+    controller: ControllerSection = field(default_factory=ControllerSection)

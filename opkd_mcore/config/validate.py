@@ -22,6 +22,10 @@ from opkd_mcore.config.schema import (
     KL_ESTIMATORS, LOSS_FORMS, LOSS_IMPLS, MASSES, ROUTINGS, SCHEDULES, SEED_MAX, SUPPORTS, TASKS,
     TEACHER_BACKENDS, TEACHER_OUTPUTS, TeacherEndpoint, TrainConfig,
 )
+from opkd_mcore.config.schema import (
+    CONTROLLERS, IN_FLIGHT_UPDATES, OVERLAPPED_SCHEDULES, PLACEMENTS, STALE_POLICIES,
+)
+from opkd_mcore.config.schema import FUSED_LM_HEAD_MODES, HIDDEN_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,8 @@ KNOWN_MODEL_SHAPES = {
     "Qwen/Qwen3-8B": dict(heads=32, kv_heads=8, layers=36, vocab=151936),
     "Qwen/Qwen3-14B": dict(heads=40, kv_heads=8, layers=40, vocab=151936),
     "Qwen/Qwen3-32B": dict(heads=64, kv_heads=8, layers=64, vocab=151936),
+    "Qwen/Qwen3-30B-A3B": dict(heads=32, kv_heads=4, layers=48, vocab=151936, experts=128),
+    "Qwen/Qwen3-235B-A22B": dict(heads=64, kv_heads=4, layers=94, vocab=151936, experts=128),
 }
 DEVICES = (None, *DEVICE_TYPES)
 TRANSPORTS = ("auto", "group", "colocated_ipc")  # "auto" + keys of weight_sync.transport.TRANSPORTS
@@ -91,8 +97,10 @@ def model_shape(path_key: str, model: str, check_files: bool) -> dict | None:
                 hf = json.load(f)
             hf = hf.get("text_config", hf)
             heads = hf["num_attention_heads"]
+            # routed experts: Qwen MoE "num_experts", Mixtral "num_local_experts"; None = dense
+            experts = hf.get("num_experts") or hf.get("num_local_experts") or None
             return dict(heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-                        layers=hf["num_hidden_layers"], vocab=hf["vocab_size"])
+                        layers=hf["num_hidden_layers"], vocab=hf["vocab_size"], experts=experts)
         except (ValueError, KeyError, AttributeError) as err:  # not JSON, or not a decoder config
             raise ConfigError(f"{path_key}: {cfg_file} is not a usable HF model config "
                               f"({type(err).__name__}: {err})") from None
@@ -164,8 +172,13 @@ def _check_vocab(path_key: str, teacher_vocab: int, teacher_tok: TokenizerInfo |
 
 
 def launch_world_size(cfg: TrainConfig) -> int:
-    """Ranks of the run: `parallel.world_size` if set, else the launcher's WORLD_SIZE, else 1."""
-    return cfg.parallel.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    """Ranks of the run: `parallel.world_size` if set, else the launcher's WORLD_SIZE, else 1; under
+    the Ray controller (which starts the ranks itself) one model-parallel replica, tp*pp*cp."""
+    if cfg.parallel.world_size:
+        return cfg.parallel.world_size
+    if cfg.controller.kind == "ray":
+        return cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
@@ -176,9 +189,7 @@ def _check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
         raise ConfigError(f"parallel.cp: expected 1, got {par.cp}: the student's SDPA core attention "
                           "(opkd_mcore/platform/sdpa_attention.py) does not support context "
                           "parallelism")
-    if par.ep != 1:  # to become "1 unless the student is MoE" once an MoE family is bridged
-        raise ConfigError(f"parallel.ep: expected 1, got {par.ep}: expert parallelism needs an MoE "
-                          "student, and no MoE model family is supported yet")
+    _check_expert_parallel(cfg, shape)
     if par.world_size is not None:
         _positive("parallel.world_size", par.world_size)
     if par.vpp is not None:
@@ -201,6 +212,10 @@ def _check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
     if world % model_parallel:
         raise ConfigError(f"parallel.tp: tp*pp*cp = {model_parallel} does not divide the world size "
                           f"{world}")
+    expert_parallel = (par.etp or par.tp) * par.ep * par.pp
+    if world % expert_parallel:
+        raise ConfigError(f"parallel.ep: etp*ep*pp = {expert_parallel} does not divide the world size "
+                          f"{world} (Megatron lays the experts out over the same ranks)")
     dp = world // model_parallel
     if par.global_batch_size % (par.micro_batch_size * dp):
         raise ConfigError(f"parallel.global_batch_size: {par.global_batch_size} is not divisible by "
@@ -209,6 +224,29 @@ def _check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
     if par.global_batch_size != samples:
         raise ConfigError(f"parallel.global_batch_size: {par.global_batch_size} must equal the "
                           f"samples per step rollout.prompts_per_step*rollout.n = {samples}")
+
+
+def _check_expert_parallel(cfg: TrainConfig, shape: dict | None) -> None:
+    """ep/etp only for an MoE student, dividing its experts; MoE training at TP > 1 is refused."""
+    par = cfg.parallel
+    _positive("parallel.ep", par.ep)
+    if par.etp is not None:
+        _positive("parallel.etp", par.etp)
+    experts = shape.get("experts") if shape is not None else None
+    if shape is not None and not experts:
+        if par.ep != 1 or par.etp not in (None, par.tp):
+            raise ConfigError(f"parallel.ep: expected 1 (and etp unset), got ep={par.ep}, etp={par.etp}: "
+                              f"expert parallelism needs an MoE student, {cfg.model.student} has no experts")
+        return
+    if experts and experts % par.ep:
+        raise ConfigError(f"parallel.ep: {par.ep} does not divide the student's {experts} experts "
+                          f"({cfg.model.student})")
+    if experts and par.tp > 1:
+        # megatron-core's MoELayer refuses to train with TP > 1 unless sequence parallelism is on,
+        # and sequence parallelism needs the Transformer Engine layer spec
+        raise ConfigError(f"parallel.tp: an MoE student trains at tp=1 here, got tp={par.tp} "
+                          "(Megatron's MoE layer needs sequence parallelism with TP, which needs "
+                          "Transformer Engine); scale the experts with parallel.ep instead")
 
 
 def teacher_output(t: TeacherEndpoint) -> str:
@@ -237,6 +275,9 @@ def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
         raise ConfigError(f"{path}.output: 'dense' needs full-vocabulary logits, which only the "
                           f"{' and '.join(DENSE_BACKENDS)} backends compute; got backend "
                           f"{t.backend!r} (use topk)")
+    if t.output == "hidden" and t.backend not in HIDDEN_BACKENDS:
+        raise ConfigError(f"{path}.output: 'hidden' (final-norm hidden states) is served by the "
+                          f"{' and '.join(HIDDEN_BACKENDS)} backends; got backend {t.backend!r}")
     if t.offload and t.backend != "megatron":
         raise ConfigError(f"{path}.offload: only a megatron teacher's weights move to host memory "
                           f"between steps; got backend {t.backend!r} (set offload: false)")
@@ -244,6 +285,9 @@ def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
     for j, source in enumerate(t.data_sources):
         _non_empty(f"{path}.data_sources.{j}", source)
     if t.backend == "remote":
+        if t.output == "hidden" and not t.model:
+            raise ConfigError(f"{path}.model: a remote teacher with output: hidden needs its HF checkpoint "
+                              "here too: the trainer applies the teacher's output weight itself")
         _check_url(f"{path}.url", t.url)
         for j, url in enumerate(t.replica_urls):
             _check_url(f"{path}.replica_urls.{j}", url)
@@ -266,6 +310,10 @@ def _check_teacher_model(cfg: TrainConfig, path: str, t: TeacherEndpoint, studen
     if t.backend == "megatron" and (shape["heads"] % tp or shape["kv_heads"] % tp):
         raise ConfigError(f"parallel.tp: {tp} does not divide the heads of the megatron teacher "
                           f"{path}.model ({t.model})")
+    # an MoE megatron teacher splits its experts over the student's EP groups
+    if t.backend == "megatron" and shape.get("experts") and shape["experts"] % cfg.parallel.ep:
+        raise ConfigError(f"parallel.ep: {cfg.parallel.ep} does not divide the {shape['experts']} experts "
+                          f"of the megatron teacher {path}.model ({t.model})")
     if student_shape is None:
         return
     student_tok = load_tokenizer_info("model.student", cfg.model.student, tokenizers)
@@ -335,8 +383,11 @@ def _check_loss(cfg: TrainConfig, student_shape: dict | None) -> None:
     _in_range("loss.beta", loss.beta, 0, 1)
     _positive("loss.temperature", loss.temperature)
     _positive("loss.clip_eps", loss.clip_eps)
-    for name in ("coverage_coef", "confidence_alpha", "pg_coef", "task_reward_coef"):
+    for name in ("coverage_coef", "confidence_alpha", "pg_coef", "task_reward_coef", "moe_aux_loss_coef"):
         _positive(f"loss.{name}", getattr(loss, name), allow_zero=True)
+    if loss.moe_aux_loss_coef and student_shape is not None and not student_shape.get("experts"):
+        raise ConfigError(f"loss.moe_aux_loss_coef: {loss.moe_aux_loss_coef} needs an MoE student; "
+                          f"{cfg.model.student} has no experts")
     if loss.k is not None:
         _positive("loss.k", loss.k)
     if loss.mass == "raw" and loss.divergence != "forward_kl":
@@ -364,6 +415,42 @@ def _check_loss(cfg: TrainConfig, student_shape: dict | None) -> None:
     if loss.task_reward_coef and loss.form != "policy_gradient":
         raise ConfigError("loss.task_reward_coef: task rewards enter through the policy-gradient form; "
                           "set loss.form: policy_gradient")
+    _check_fused_lm_head(cfg)
+    hidden = [i for i, t in enumerate(cfg.teacher.teachers) if teacher_output(t) == "hidden"]
+    if hidden and len(cfg.teacher.teachers) > 1:
+        raise ConfigError(f"teacher.teachers.{hidden[0]}.output: a hidden-state teacher must be the run's only "
+                          "teacher (the trainer holds one teacher output weight; use replica_urls for more "
+                          "servers of it)")
+    if loss.confidence_alpha and hidden:
+        raise ConfigError("loss.confidence_alpha: teacher-confidence weights need the teacher's logprobs of "
+                          "the sampled tokens; a hidden-state teacher sends none (use 0)")
+
+
+def fused_lm_head_mode(value: str | bool) -> str:
+    """`loss.fused_lm_head` as "auto" | "on" | "off" (YAML reads a bare on / off as a boolean)."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+def _check_fused_lm_head(cfg: TrainConfig) -> None:
+    """`loss.fused_lm_head: on` must be runnable for the whole run (`auto` falls back to off, said once
+    in the log; whether the device runs the chosen kernels is `train.components.check_loss_impl`'s)."""
+    loss = cfg.loss
+    mode = fused_lm_head_mode(loss.fused_lm_head)
+    _choice("loss.fused_lm_head", mode, FUSED_LM_HEAD_MODES)
+    if mode != "on":
+        return
+    if loss.form != "logit":
+        raise ConfigError("loss.fused_lm_head: 'on' fuses the output layer into the distillation loss; "
+                          "loss.form: policy_gradient scores the sampled token from materialised logits "
+                          "(use auto or off)")
+    if loss.impl == "reference":
+        raise ConfigError("loss.fused_lm_head: 'on' runs the fused LM-head kernels; loss.impl: reference "
+                          "materialises the logits (use loss.impl: auto, or fused_lm_head: off)")
+    for i, t in enumerate(cfg.teacher.teachers):
+        if teacher_output(t) == "dense" and t.backend != "megatron":
+            raise ConfigError(f"loss.fused_lm_head: 'on' needs the teacher as top-k rows, an in-step megatron "
+                              f"teacher or hidden states; teacher.teachers.{i} (backend {t.backend!r}, output "
+                              "dense) hands over full logits (use auto or off)")
 
 
 def _check_optim(cfg: TrainConfig) -> None:
@@ -477,6 +564,51 @@ def _check_run(cfg: TrainConfig) -> None:
         _non_empty("logging.wandb_project", cfg.logging.wandb_project)
 
 
+def _check_schedule(cfg: TrainConfig) -> None:
+    """The schedule and the controller that runs it (see opkd_mcore/controller/)."""
+    run, ctl = cfg.run, cfg.controller
+    _choice("controller.kind", ctl.kind, CONTROLLERS)
+    _choice("controller.placement", ctl.placement, PLACEMENTS)
+    for name in ("rollout_engines", "rollout_tp", "teacher_replicas"):
+        _positive(f"controller.{name}", getattr(ctl, name))
+    for name in ("cpus_per_worker", "sync_timeout_s", "call_timeout_s"):
+        _positive(f"controller.{name}", getattr(ctl, name))
+    _positive("controller.max_restarts", ctl.max_restarts, allow_zero=True)
+    _choice("run.stale_policy", run.stale_policy, STALE_POLICIES)
+    _choice("run.in_flight_update", run.in_flight_update, IN_FLIGHT_UPDATES)
+    _positive("run.max_staleness", run.max_staleness, allow_zero=True)
+    _positive("run.partial_rollout_tokens", run.partial_rollout_tokens)
+    if not run.is_truncation >= 1.0:  # a cap below 1 would shrink even on-policy samples
+        raise ConfigError(f"run.is_truncation: expected >= 1, got {run.is_truncation!r}")
+    if run.schedule in OVERLAPPED_SCHEDULES and ctl.kind != "ray":
+        raise ConfigError(f"run.schedule: {run.schedule!r} overlaps stages across worker groups and needs "
+                          f"controller.kind: ray (the torchrun SPMD job runs sync only), got {ctl.kind!r}")
+    if run.schedule != "sync" and ctl.placement == "colocated":
+        raise ConfigError(f"controller.placement: colocated rollout engines share the trainer's devices "
+                          f"and wait while it trains, so only run.schedule: sync fits; got "
+                          f"{run.schedule!r} (use placement: disaggregated)")
+    if run.schedule != "async" and run.in_flight_update != "finish":
+        raise ConfigError(f"run.in_flight_update: only the async schedule updates weights while "
+                          f"generations are in flight; got {run.in_flight_update!r} with run.schedule: "
+                          f"{run.schedule!r} (use finish)")
+    if run.schedule == "async" and cfg.weight_sync.every_steps != 1:
+        raise ConfigError(f"weight_sync.every_steps: the async schedule bounds staleness in weight "
+                          f"versions, one per optimizer step; expected 1, got {cfg.weight_sync.every_steps}")
+    if ctl.teachers_with_rollout and (ctl.placement != "disaggregated" or ctl.rollout_tp != 1):
+        raise ConfigError("controller.teachers_with_rollout: teachers join the rollout engines' devices in "
+                          f"the disaggregated placement with rollout_tp 1; got placement {ctl.placement!r}, "
+                          f"rollout_tp {ctl.rollout_tp}")
+    if ctl.kind == "ray" and ctl.placement != "colocated" and cfg.weight_sync.transport == "colocated_ipc":
+        raise ConfigError("weight_sync.transport: colocated_ipc moves weights between processes on one "
+                          "device; disaggregated rollout engines need group (or auto)")
+    if ctl.kind == "ray" and ctl.placement == "colocated":
+        engines_devices = ctl.rollout_engines * ctl.rollout_tp
+        if engines_devices > launch_world_size(cfg):
+            raise ConfigError(f"controller.rollout_engines: colocated engines use the trainer's devices: "
+                              f"rollout_engines*rollout_tp = {engines_devices} exceeds the "
+                              f"{launch_world_size(cfg)} trainer ranks")
+
+
 def _check_checkpoint_cadence(cfg: TrainConfig) -> None:
     """Periodic checkpoints fall on weight-sync steps: there the rollout engine holds the saved
     student, so a resumed run equals an uninterrupted one (train.checkpoint.rollout_version_on_resume)."""
@@ -494,6 +626,7 @@ def _check_rest(cfg: TrainConfig, check_files: bool) -> None:
     _check_weight_sync(cfg)
     _check_data(cfg, check_files)
     _check_run(cfg)
+    _check_schedule(cfg)
     _check_checkpoint_cadence(cfg)
 
 

@@ -1,6 +1,7 @@
 """Distillation objectives over a vocabulary sharded across a tensor-parallel group.
 
-Token level: `kd_loss` (and `kd_loss_with_stats` for logging). Sequence level: TCAD's
+Token level: `kd_loss` (and `kd_loss_with_stats` for logging); `linear_kd_loss` fuses the output
+layer into it (hidden states + weight shard in, no logits). Sequence level: TCAD's
 `teacher_confidence_scores` / `teacher_confidence_weights`, `sampled_token_kl` and
 `policy_gradient_kd_loss`. Reduction to a scalar: `aggregate`. Logging: `kd_metrics`.
 Formulas and which objective reproduces which recipe: docs/losses.md.
@@ -15,12 +16,14 @@ from opkd_mcore.losses.sequence_level import (
     teacher_confidence_scores,
     teacher_confidence_weights,
 )
-from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, TopKTeacher
+from opkd_mcore.losses.fused_linear import linear_kd_loss, linear_kd_loss_with_stats
+from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, HiddenTeacher, TopKTeacher
 
 __all__ = [
     "AGG_MODES",
     "PAD_ID",
     "DenseTeacher",
+    "HiddenTeacher",
     "KDStats",
     "PolicyGradientKDOutput",
     "TopKTeacher",
@@ -28,6 +31,8 @@ __all__ = [
     "kd_loss",
     "kd_loss_with_stats",
     "kd_metrics",
+    "linear_kd_loss",
+    "linear_kd_loss_with_stats",
     "policy_gradient_kd_loss",
     "sampled_token_kl",
     "seq_ids_from_cu_seqlens",

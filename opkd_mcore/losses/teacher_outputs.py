@@ -34,3 +34,18 @@ class TopKTeacher:
     def valid(self) -> torch.Tensor:
         """Bool mask `[N, K]` of real (non-padding) entries."""
         return self.ids != PAD_ID
+
+
+@dataclass(frozen=True)
+class HiddenTeacher:
+    """Teacher final-norm hidden states `[N, H_t]` and this rank's output-weight shard `[V_local, H_t]`
+    (sharded like the student's output layer): exact dense teacher logits `hidden @ weight.T`, formed
+    only tile by tile inside the fused LM-head loss (`opkd_mcore.losses.fused_linear`).
+
+    `vocab_size`: ids at or past it are not the teacher's (its weight rows there are padding): they
+    get probability 0 (logit -1e4), as the trainer masks materialised teacher logits. `weight` is
+    None on rows a served teacher sent, until the trainer attaches its shard (`train/stages.py`)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor | None
+    vocab_size: int | None = None

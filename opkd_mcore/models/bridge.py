@@ -1,12 +1,14 @@
 """HF <-> Megatron bridges: per model family, config mapping and tensor names/layouts.
 
-A bridge knows, for one family (Llama 3.x, Qwen2/2.5, Qwen3 dense, Mistral):
+A bridge knows, for one family (Llama 3.x, Qwen2/2.5, Qwen3 dense, Mistral; the MoE families
+Qwen3-MoE, Mixtral and Qwen2-MoE live in `moe_bridge.py`):
 
 * how an HF config becomes a Megatron `TransformerConfig` (+ GPTModel arguments),
 * which HF tensors make each Megatron parameter and how (`TensorRule.kind`):
   ``replicated`` (norms), ``vocab`` (rows split over TP, padded), ``row`` (input dim split over TP),
   ``qkv`` (q/k/v fused per query group, groups split over TP), ``gate_up`` (gate and up each split
-  over TP, then stacked per rank),
+  over TP, then stacked per rank); MoE adds ``expert_gate_up`` / ``expert_row`` (the same layouts
+  for one routed expert, split over the expert-TP group; HF names carry ``{expert}``),
 * the HF tensor list of the full model with shapes (for metadata listed without moving tensors).
 
 The registry maps HF `architectures[0]` to a bridge; `get_bridge` raises a `ValueError` naming the
@@ -35,7 +37,12 @@ class TensorRule:
 
     megatron: str
     hf: tuple[str, ...]
-    kind: str  # replicated | vocab | row | qkv | gate_up
+    kind: str  # replicated | vocab | row | qkv | gate_up | expert_gate_up | expert_row
+
+    @property
+    def is_expert(self) -> bool:
+        """A routed expert's weight: one per expert, held by its EP rank, split over expert TP."""
+        return self.kind.startswith("expert_")
 
 
 class ModelBridge:
@@ -45,6 +52,7 @@ class ModelBridge:
     architectures: tuple[str, ...] = ("LlamaForCausalLM",)
     qkv_bias = False  # Qwen2: biases on q/k/v projections
     qk_norm = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    is_moe = False  # routed experts (moe_bridge.py)
 
     def __init__(self, hf_config):
         self.hf_config = hf_config
@@ -94,11 +102,19 @@ class ModelBridge:
             logger.warning("sliding_window=%d: attention here is full causal, identical to the HF "
                            "model only for sequences of at most %d tokens", window, window)
 
-    def check_parallel(self, tp: int, pp: int, vpp: int | None) -> None:
+    def tp_divided_sizes(self) -> tuple[tuple[str, int], ...]:
+        """HF config sizes that the (attention/dense) TP size must divide."""
         c = self.hf_config
-        for name, value in (("num_attention_heads", c.num_attention_heads),
-                            ("num_key_value_heads", self.num_query_groups),
-                            ("intermediate_size", c.intermediate_size)):
+        return (("num_attention_heads", c.num_attention_heads),
+                ("num_key_value_heads", self.num_query_groups),
+                ("intermediate_size", c.intermediate_size))
+
+    def check_parallel(self, tp: int, pp: int, vpp: int | None, ep: int = 1,
+                       etp: int | None = None) -> None:
+        """Raise naming the size that does not fit. A dense model ignores ep/etp: it may share a
+        job's expert-parallel groups with an MoE model (e.g. a dense teacher of an MoE student)."""
+        c = self.hf_config
+        for name, value in self.tp_divided_sizes():
             if value % tp:
                 raise ValueError(f"tp: {tp} does not divide {name}={value} of the model")
         chunks = pp * (vpp or 1)
@@ -196,8 +212,12 @@ class MistralBridge(ModelBridge):
     architectures = ("MistralForCausalLM",)
 
 
+# imported here, after ModelBridge exists: the MoE bridges subclass it, and every registration
+# stays in this one table
+from opkd_mcore.models.moe_bridge import MOE_BRIDGES, looks_like_moe
+
 BRIDGES: dict[str, type[ModelBridge]] = {
-    arch: cls for cls in (ModelBridge, Qwen2Bridge, Qwen3Bridge, MistralBridge)
+    arch: cls for cls in (ModelBridge, Qwen2Bridge, Qwen3Bridge, MistralBridge, *MOE_BRIDGES)
     for arch in cls.architectures
 }
 
@@ -209,6 +229,10 @@ def get_bridge(hf_config) -> ModelBridge:
         raise ValueError("architectures: the HF config lists no architecture; expected one of "
                          f"{sorted(BRIDGES)}")
     if archs[0] not in BRIDGES:
+        if looks_like_moe(hf_config):
+            moe = sorted(a for cls in MOE_BRIDGES for a in cls.architectures)
+            raise ValueError(f"architectures: the mixture-of-experts architecture {archs[0]!r} is "
+                             f"not supported; supported MoE architectures: {moe}")
         raise ValueError(f"architectures: {archs[0]!r} is not supported; supported: {sorted(BRIDGES)}")
     return BRIDGES[archs[0]](hf_config)
 

@@ -52,6 +52,17 @@ class ModelLayout:
     padded_vocab_size: int  # rows of the Megatron embedding/output layer (all TP ranks together)
     pp_rank: int
     vp_stage: int | None  # this chunk's virtual stage (None without VPP)
+    ep: int = 1  # expert-parallel size (MoE): each EP rank holds num_experts / ep routed experts
+    etp: int = 1  # expert tensor-parallel size (splits each expert's FFN like TP a dense MLP)
+    ep_rank: int = 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.bridge.num_experts // self.ep if self.bridge.is_moe else 0
+
+    def expert_owner(self, expert: int) -> int:
+        """EP rank holding global routed expert `expert`."""
+        return expert // self.num_local_experts
 
     @property
     def num_layers(self) -> int:
@@ -74,11 +85,20 @@ def layer_spec(bridge: ModelBridge, use_te: bool | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
 
     use_te = _use_transformer_engine() if use_te is None else use_te
+    # MoE: SequentialMLP experts (moe_grouped_gemm=False), whose per-expert parameter names the
+    # bridge maps; the grouped-GEMM modules need TE or the grouped_gemm package
+    num_experts = bridge.num_experts if bridge.is_moe else None
+    if bridge.is_moe:
+        from opkd_mcore.platform.megatron_moe import prepare_megatron_moe
+
+        prepare_megatron_moe()
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bridge.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=bridge.qk_norm)
     from opkd_mcore.platform.sdpa_attention import SdpaCoreAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=bridge.qk_norm,
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=bridge.qk_norm,
                                                     normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     return spec
@@ -97,6 +117,8 @@ def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, **overrid
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         context_parallel_size=ps.get_context_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         use_cpu_initialization=is_cpu(),
@@ -105,6 +127,12 @@ def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, **overrid
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
     kwargs.update(overrides)
+    if kwargs.get("moe_aux_loss_coeff"):
+        if not bridge.is_moe:
+            raise ValueError(f"moe_aux_loss_coeff: {bridge.family} is not an MoE model")
+        # a coefficient asks for Megatron's switch-style load-balancing loss in every router
+        if "moe_router_load_balancing_type" not in overrides:
+            kwargs["moe_router_load_balancing_type"] = "aux_loss"
     return TransformerConfig(**kwargs)
 
 
@@ -131,7 +159,8 @@ def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    bridge.check_parallel(tp, pp, vpp)
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    bridge.check_parallel(tp, pp, vpp, ep, etp)
     dtype = params_dtype or default_params_dtype()
     use_te = _use_transformer_engine() if use_te is None else use_te
     if config_overrides.get("sequence_parallel") and not use_te:
@@ -149,10 +178,11 @@ def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
     for vp_stage in (range(vpp) if vpp else [None]):
         model = _make_chunk(config, spec, bridge, padded, vp_stage)
         model.opkd_layout = ModelLayout(bridge, tp, pp, vpp, hf_config.vocab_size, padded,
-                                        ps.get_pipeline_model_parallel_rank(), vp_stage)
+                                        ps.get_pipeline_model_parallel_rank(), vp_stage, ep, etp,
+                                        ps.get_expert_model_parallel_rank())
         chunks.append(model)
-    logger.info("built %s: %d chunk(s), tp=%d pp=%d vpp=%s, vocab %d (padded %d), dtype %s",
-                bridge.family, len(chunks), tp, pp, vpp, hf_config.vocab_size, padded, dtype)
+    logger.info("built %s: %d chunk(s), tp=%d pp=%d vpp=%s ep=%d etp=%d, vocab %d (padded %d), dtype %s",
+                bridge.family, len(chunks), tp, pp, vpp, ep, etp, hf_config.vocab_size, padded, dtype)
     return chunks
 
 

@@ -1,7 +1,7 @@
 """Checkpoint conversion HF <-> Megatron distributed checkpoint (`opkd convert`, tools/convert_ckpt.py).
 
-    opkd convert hf-to-mcore --hf-dir IN --out OUT [--tp N] [--pp M] [--vpp V] [--force]
-    opkd convert mcore-to-hf --mcore-dir IN --out OUT [--tp N] [--pp M] [--force]
+    opkd convert hf-to-mcore --hf-dir IN --out OUT [--tp N] [--pp M] [--vpp V] [--ep E] [--etp T] [--force]
+    opkd convert mcore-to-hf --mcore-dir IN --out OUT [--tp N] [--pp M] [--ep E] [--force]
 
 A Megatron checkpoint written here (or by `MegatronEngine.save_checkpoint`) is a directory:
 
@@ -9,8 +9,9 @@ A Megatron checkpoint written here (or by `MegatronEngine.save_checkpoint`) is a
     OUT/hf/                    the HF config, tokenizer and generation config it came from (no weights)
     OUT/opkd_checkpoint.json   what is inside (model / optimizer), dtype, the layout it was saved with
 
-dist_checkpointing stores global tensors, so a checkpoint saved with one TP/PP/VPP layout loads into
-any other; `mcore-to-hf` therefore defaults to a single rank. Without a launcher the command spawns
+dist_checkpointing stores global tensors (routed experts under their global index), so a checkpoint
+saved with one TP/PP/VPP/EP layout loads into any other; `mcore-to-hf` therefore defaults to a
+single rank. With `--ep E` every EP rank reads (hf-to-mcore) or writes only its own experts. Without a launcher the command spawns
 the ranks it needs (gloo, CPU by default); under torchrun it uses the ranks it was given (the world
 size must be a multiple of tp*pp; extra ranks are data-parallel replicas).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -105,7 +107,8 @@ def save_mcore_checkpoint(model_chunks, out_dir: str, *, hf_src_dir: str | None 
         meta = {"format": FORMAT, "contents": list(contents), "num_steps": num_steps,
                 "architecture": layout.bridge.hf_config.architectures[0],
                 "params_dtype": dtype_name(unwrap(model_chunks[0]).config.params_dtype),
-                "saved_with": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp}}
+                "saved_with": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
+                               **({"ep": layout.ep, "etp": layout.etp} if layout.bridge.is_moe else {})}}
         with open(os.path.join(out_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
     dist.barrier()
@@ -140,12 +143,13 @@ def _progress(desc: str, total: int):
     return tqdm(total=total, desc=desc, unit="step", disable=not _is_rank0())
 
 
-def hf_to_mcore_worker(hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, device: str) -> None:
-    """Per rank: build the model for (tp, pp, vpp), read owned HF slices, save a dist checkpoint."""
+def hf_to_mcore_worker(hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, device: str,
+                       ep: int = 1, etp: int | None = None) -> None:
+    """Per rank: build the model for (tp, pp, vpp, ep), read owned HF slices, save a dist checkpoint."""
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
 
-    init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp), device=device)
+    init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp), device=device)
     try:
         hf_config = load_hf_config(hf_dir)
         with _progress("hf-to-mcore", 3) as bar:
@@ -160,14 +164,14 @@ def hf_to_mcore_worker(hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | N
 
 
 def mcore_to_hf_worker(mcore_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, device: str,
-                       max_shard_bytes: int) -> None:
-    """Per rank: build the model for (tp, pp, vpp), load the dist checkpoint, write HF safetensors."""
+                       max_shard_bytes: int, ep: int = 1, etp: int | None = None) -> None:
+    """Per rank: build the model for (tp, pp, vpp, ep), load the dist checkpoint, write HF safetensors."""
     from opkd_mcore.models import build_model, load_hf_config, save_hf_checkpoint
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
 
     meta = read_checkpoint_meta(mcore_dir)
     hf_src = os.path.join(mcore_dir, HF_SUBDIR)
-    init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp), device=device)
+    init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp), device=device)
     try:
         chunks = build_model(load_hf_config(hf_src), params_dtype=_DTYPES[meta["params_dtype"]])
         load_mcore_model(chunks, mcore_dir)
@@ -194,7 +198,8 @@ def check_output_dir(out_dir: str, force: bool) -> None:
         shutil.rmtree(out_dir)
 
 
-def check_hf_input(hf_dir: str, tp: int, pp: int, vpp: int | None) -> None:
+def check_hf_input(hf_dir: str, tp: int, pp: int, vpp: int | None, ep: int = 1,
+                   etp: int | None = None) -> None:
     """Everything that can be checked before ranks start: files, architecture, divisibility."""
     from opkd_mcore.models import get_bridge, load_hf_config
 
@@ -206,11 +211,14 @@ def check_hf_input(hf_dir: str, tp: int, pp: int, vpp: int | None) -> None:
     if not has_weights:
         raise FileNotFoundError(f"hf_dir: {hf_dir!r} has neither model.safetensors nor "
                                 f"model.safetensors.index.json")
-    get_bridge(hf_config).check_parallel(tp, pp, vpp)
+    bridge = get_bridge(hf_config)
+    if ep != 1 and not bridge.is_moe:
+        raise ValueError(f"ep: {ep} needs an MoE model; {hf_config.architectures[0]} has no experts")
+    bridge.check_parallel(tp, pp, vpp, ep, etp)
 
 
-def _check_layout(tp: int, pp: int, vpp: int | None) -> None:
-    for name, value in (("tp", tp), ("pp", pp)):
+def _check_layout(tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int | None = None) -> None:
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp or 1)):
         if value < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {value}")
     if vpp is not None and (vpp < 1 or (vpp > 1 and pp < 2)):
@@ -227,6 +235,12 @@ def _spawned_rank(rank: int, world_size: int, port: int, fn, args, errors) -> No
         sys.exit(1)
 
 
+def conversion_world_size(tp: int, pp: int, ep: int, etp: int | None) -> int:
+    """Fewest ranks holding the layout: Megatron carves both tp x dp and etp x ep x edp from them."""
+    dense, experts = tp * pp, (tp if etp is None else etp) * ep * pp
+    return dense * experts // math.gcd(dense, experts)
+
+
 def launch(fn, world_size: int, *args) -> None:
     """Run `fn(*args)` on `world_size` ranks: in place under a launcher, else spawned locally."""
     import socket
@@ -236,8 +250,8 @@ def launch(fn, world_size: int, *args) -> None:
     if "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if world % world_size:
-            raise ValueError(f"WORLD_SIZE: {world} ranks were launched but tp*pp = {world_size} does not "
-                             f"divide it")
+            raise ValueError(f"WORLD_SIZE: {world} ranks were launched but the layout needs a "
+                             f"multiple of {world_size} (lcm of tp*pp and etp*ep*pp)")
         fn(*args)
         return
     with socket.socket() as s:
@@ -258,25 +272,27 @@ def launch(fn, world_size: int, *args) -> None:
 
 # ----------------------------------------------------------------------------- API + CLI
 def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                        force: bool = False, device: str = "cpu") -> None:
+                        force: bool = False, device: str = "cpu", ep: int = 1,
+                        etp: int | None = None) -> None:
     """HF safetensors checkpoint -> Megatron dist checkpoint (+ HF config/tokenizer in OUT/hf)."""
-    _check_layout(tp, pp, vpp)
-    check_hf_input(hf_dir, tp, pp, vpp)
+    _check_layout(tp, pp, vpp, ep, etp)
+    check_hf_input(hf_dir, tp, pp, vpp, ep, etp)
     check_output_dir(out_dir, force)
-    launch(hf_to_mcore_worker, tp * pp, os.path.abspath(hf_dir), os.path.abspath(out_dir), tp, pp, vpp,
-           device)
+    launch(hf_to_mcore_worker, conversion_world_size(tp, pp, ep, etp), os.path.abspath(hf_dir),
+           os.path.abspath(out_dir), tp, pp, vpp, device, ep, etp)
 
 
 def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                        force: bool = False, device: str = "cpu", max_shard_bytes: int = 4 << 30) -> None:
+                        force: bool = False, device: str = "cpu", max_shard_bytes: int = 4 << 30,
+                        ep: int = 1, etp: int | None = None) -> None:
     """Megatron dist checkpoint -> HF sharded safetensors + index + config + tokenizer."""
-    _check_layout(tp, pp, vpp)
+    _check_layout(tp, pp, vpp, ep, etp)
     read_checkpoint_meta(mcore_dir)
     if os.path.abspath(mcore_dir) == os.path.abspath(out_dir):
         raise ValueError("out: must differ from --mcore-dir")
     check_output_dir(out_dir, force)
-    launch(mcore_to_hf_worker, tp * pp, os.path.abspath(mcore_dir), os.path.abspath(out_dir), tp, pp, vpp,
-           device, max_shard_bytes)
+    launch(mcore_to_hf_worker, conversion_world_size(tp, pp, ep, etp), os.path.abspath(mcore_dir),
+           os.path.abspath(out_dir), tp, pp, vpp, device, max_shard_bytes, ep, etp)
 
 
 def _parse_size(text: str) -> int:
@@ -301,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used for the conversion")
         p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+        p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models)")
+        p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
         p.add_argument("--device", default="cpu", help="cpu (gloo) or an accelerator type")
         p.add_argument("--force", action="store_true", help="replace an existing output checkpoint")
     return parser
@@ -312,11 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.direction == "hf-to-mcore":
             convert_hf_to_mcore(args.hf_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                                force=args.force, device=args.device)
+                                force=args.force, device=args.device, ep=args.ep, etp=args.etp)
         else:
             convert_mcore_to_hf(args.mcore_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
                                 force=args.force, device=args.device,
-                                max_shard_bytes=_parse_size(args.max_shard_size))
+                                max_shard_bytes=_parse_size(args.max_shard_size), ep=args.ep,
+                                etp=args.etp)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"opkd convert: error: {err}", file=sys.stderr)
         return 2

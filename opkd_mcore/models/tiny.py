@@ -16,7 +16,22 @@ FAMILY_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+
+# MoE families: 8 experts, top-2 (overridable through TinyModelShape.extra)
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),  # expert size: intermediate_size
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128, norm_topk_prob=False),
+}
+# Router weights get this std instead of init_std: with near-zero router logits, top-k picks between
+# near-ties, and two correct implementations that round differently would pick different experts
+ROUTER_INIT_STD = 0.5
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 
@@ -95,14 +110,16 @@ def tiny_hf_config(family: str, shape: TinyModelShape, tokenizer=None):
         intermediate_size=shape.intermediate_size,
         max_position_embeddings=shape.max_position_embeddings,
         tie_word_embeddings=shape.tie_word_embeddings, torch_dtype="float32",
-        architectures=[FAMILY_ARCHITECTURES[family]], **ids, **shape.extra,
+        architectures=[FAMILY_ARCHITECTURES[family]], **ids,
+        **{**MOE_DEFAULTS.get(family, {}), **shape.extra},
     )
 
 
 def save_tiny_hf_model(out_dir: str, family: str = "qwen3", shape: TinyModelShape | None = None,
                        seed: int = 0, alphabet: str = "0123456789+= ", init_std: float = 0.02,
-                       dtype: torch.dtype = torch.float32):
-    """Write a random-weight HF checkpoint (safetensors + config + char tokenizer) to `out_dir`."""
+                       dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Write a random-weight HF checkpoint (safetensors + config + char tokenizer) to `out_dir`
+    (`device`: where the random init runs; an accelerator makes an 8B-shaped model in seconds)."""
     from transformers import AutoModelForCausalLM
 
     shape = shape or TinyModelShape()
@@ -111,7 +128,13 @@ def save_tiny_hf_model(out_dir: str, family: str = "qwen3", shape: TinyModelShap
     config.initializer_range = init_std
     config.torch_dtype = dtype
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    if family in MOE_DEFAULTS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                    param.normal_(0.0, ROUTER_INIT_STD)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -2,19 +2,22 @@
 
 * `load_hf_weights`: every rank reads only the slices of the HF tensors its parameters hold
   (`safe_open(...).get_slice`), so no rank materialises the whole model.
-* `hf_weight_metadata`: the full model's HF tensors (name, shape, dtype, PP stage) in export order,
-  computed from the config and layout alone: identical on every rank, no communication.
-* `iter_hf_weights`: the stream `(hf_name, full_tensor)` in that order: TP shards gathered, fused
-  QKV / gate-up split back, vocab padding removed; "local" = this PP stage's tensors, "all" = every
-  stage's tensors on every rank (streamed over the PP group).
+* `hf_weight_metadata`: the full model's HF tensors (name, shape, dtype, PP stage, and for a routed
+  expert the EP rank holding it) in export order, computed from the config and layout alone:
+  identical on every rank, no communication.
+* `iter_hf_weights`: the stream `(hf_name, full_tensor)` in that order: TP (expert-TP) shards
+  gathered, fused QKV / gate-up split back, vocab padding removed; "local" = this PP stage's tensors
+  that this rank can produce (the shared ones and its own EP rank's experts), "all" = every tensor on
+  every rank (experts broadcast over the EP group, then stages over the PP group).
 * `save_hf_checkpoint`: rank 0 writes sharded safetensors + index + config + tokenizer files.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +40,7 @@ class WeightMeta:
     shape: tuple
     dtype: torch.dtype
     pp_stage: int
+    ep_rank: int | None = None  # routed experts: the EP rank that holds this tensor; None = every one
 
     @property
     def num_bytes(self) -> int:
@@ -51,16 +55,25 @@ class _LocalParam:
     param: torch.nn.Parameter
     rule: TensorRule
     layer: int | None
+    expert: int | None = None  # global index of a routed expert
 
     @property
     def hf_names(self) -> list[str]:
-        return [t.format(layer=self.layer) for t in self.rule.hf]
+        return [t.format(layer=self.layer, expert=self.expert) for t in self.rule.hf]
 
 
-def _tp():
+def _tp(expert: bool = False):
+    """(rank, size, group) of the TP group that splits a tensor: expert TP for routed experts."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    if expert:
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
+
+
+_EXPERT_SLOT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
 
 
 def _local_params(model_chunks) -> list[_LocalParam]:
@@ -68,20 +81,26 @@ def _local_params(model_chunks) -> list[_LocalParam]:
     layout = layout_of(model_chunks)
     layer_rules = {r.megatron: r for r in layout.bridge.layer_rules()}
     model_rules = {r.megatron: r for r in layout.bridge.model_rules()}
+    first_expert = layout.ep_rank * layout.num_local_experts
     found = []
     for chunk in model_chunks:
         model = unwrap(chunk)
         for name, param in model.named_parameters():
+            expert = None
             if name.startswith("decoder.layers."):
                 local_idx, suffix = name[len("decoder.layers."):].split(".", 1)
                 layer = model.decoder.layers[int(local_idx)].layer_number - 1
+                match = _EXPERT_SLOT.match(suffix)
+                if match:  # local expert i of this EP rank is global expert first_expert + i
+                    expert = first_expert + int(match.group(2))
+                    suffix = match.group(1) + "{expert}" + match.group(3)
                 rule = layer_rules.get(suffix)
             else:
                 layer, rule = None, model_rules.get(name)
             if rule is None:
                 raise ValueError(f"{layout.bridge.family} bridge has no HF mapping for Megatron "
                                  f"parameter {name!r}")
-            found.append(_LocalParam(param, rule, layer))
+            found.append(_LocalParam(param, rule, layer, expert))
     return found
 
 
@@ -118,8 +137,8 @@ class _SafetensorsIndex:
 
 def _read_owned(index: _SafetensorsIndex, lp: _LocalParam, layout: ModelLayout) -> torch.Tensor:
     """The part of the HF tensor(s) that this TP rank's shard of `lp.param` holds."""
-    rank, size = _tp()
-    names, kind = lp.hf_names, lp.rule.kind
+    rank, size, _ = _tp(lp.rule.is_expert)
+    names, kind = lp.hf_names, lp.rule.kind.removeprefix("expert_")
     if kind == "replicated":
         return index.slice(names[0])[:]
     if kind == "row":
@@ -143,7 +162,7 @@ def _read_owned(index: _SafetensorsIndex, lp: _LocalParam, layout: ModelLayout) 
         return torch.cat(parts)
     if kind == "qkv":
         return _read_qkv(index, names, layout, rank, size)
-    raise ValueError(f"unknown tensor rule kind {kind!r}")
+    raise ValueError(f"unknown tensor rule kind {lp.rule.kind!r}")
 
 
 def _read_qkv(index, names, layout: ModelLayout, rank: int, size: int) -> torch.Tensor:
@@ -163,7 +182,8 @@ def _read_qkv(index, names, layout: ModelLayout, rank: int, size: int) -> torch.
 
 @torch.no_grad()
 def load_hf_weights(model_chunks, hf_dir: str) -> None:
-    """Fill this rank's parameters from an HF checkpoint, reading only the slices they own."""
+    """Fill this rank's parameters from an HF checkpoint, reading only the slices they own (an EP
+    rank reads only its own experts' tensors, and of those only its expert-TP slice)."""
     layout = layout_of(model_chunks)
     index = _SafetensorsIndex(hf_dir)
     for lp in _local_params(model_chunks):
@@ -182,9 +202,13 @@ def hf_weight_metadata(model_chunks) -> list[WeightMeta]:
     dtype = unwrap(model_chunks[0]).config.params_dtype
     last = layout.pp - 1
     meta = [WeightMeta("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), dtype, 0)]
+    expert_of = getattr(bridge, "expert_of", lambda name: None)
     for layer in range(cfg.num_hidden_layers):
         stage = layout.layer_stage(layer)
-        meta += [WeightMeta(name, shape, dtype, stage) for name, shape in bridge.hf_layer_shapes(layer)]
+        for name, shape in bridge.hf_layer_shapes(layer):
+            expert = expert_of(name)
+            owner = None if expert is None else layout.expert_owner(expert)
+            meta.append(WeightMeta(name, shape, dtype, stage, owner))
     meta.append(WeightMeta("model.norm.weight", (cfg.hidden_size,), dtype, last))
     if not bridge.tied:
         meta.append(WeightMeta("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), dtype, last))
@@ -192,27 +216,22 @@ def hf_weight_metadata(model_chunks) -> list[WeightMeta]:
 
 
 # --------------------------------------------------------------------------- export
-_GATHER_DIM = {"vocab": 0, "qkv": 0, "gate_up": 0, "row": 1}
-
-
-def _gather_tp(shard: torch.Tensor, dim: int) -> list[torch.Tensor]:
-    from megatron.core import parallel_state as ps
-
-    _, size = _tp()
+def _gather_tp(shard: torch.Tensor, expert: bool) -> list[torch.Tensor]:
+    _, size, group = _tp(expert)
     if size == 1:
         return [shard]
     shard = shard.contiguous()
     parts = [torch.empty_like(shard) for _ in range(size)]
-    dist.all_gather(parts, shard, group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(parts, shard, group=group)
     return parts
 
 
 def _to_hf(lp: _LocalParam, layout: ModelLayout) -> dict[str, torch.Tensor]:
-    """Full HF tensors made from one Megatron parameter (collective over TP)."""
-    kind, names, shard = lp.rule.kind, lp.hf_names, lp.param.detach()
+    """Full HF tensors made from one Megatron parameter (collective over TP, or expert TP)."""
+    kind, names, shard = lp.rule.kind.removeprefix("expert_"), lp.hf_names, lp.param.detach()
     if kind == "replicated":
         return {names[0]: shard.clone()}
-    parts = _gather_tp(shard, _GATHER_DIM[kind])
+    parts = _gather_tp(shard, lp.rule.is_expert)
     if kind == "row":
         return {names[0]: torch.cat(parts, dim=1)}
     if kind == "vocab":
@@ -243,12 +262,17 @@ def _producers(model_chunks) -> dict[str, _LocalParam]:
     return out
 
 
+def is_local(meta: WeightMeta, layout: ModelLayout) -> bool:
+    """True when this rank holds (its shard of) the tensor: its PP stage, and its EP rank's expert."""
+    return meta.pp_stage == layout.pp_rank and meta.ep_rank in (None, layout.ep_rank)
+
+
 def _iter_local(model_chunks, metadata) -> Iterator[tuple[WeightMeta, torch.Tensor]]:
     layout = layout_of(model_chunks)
     producers = _producers(model_chunks)
     pending: dict[str, torch.Tensor] = {}
     for meta in metadata:
-        if meta.pp_stage != layout.pp_rank:
+        if not is_local(meta, layout):
             continue
         if meta.hf_name not in pending:
             if meta.hf_name not in producers:
@@ -259,30 +283,48 @@ def _iter_local(model_chunks, metadata) -> Iterator[tuple[WeightMeta, torch.Tens
 
 
 @torch.no_grad()
-def iter_hf_weights(model_chunks, *, stages: str = "local") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model_chunks, *, stages: str = "local",
+                    select: Callable[[WeightMeta], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream `(hf_name, full_tensor)` in `hf_weight_metadata` order.
 
-    Collective: all TP ranks of a stage (and, for "all", all PP stages) must iterate together.
+    Collective: all TP ranks of a stage (and expert-TP ranks of an EP rank) iterate together; for
+    "all", every rank. `select` ("local" only) keeps the tensors it returns True for: the same
+    predicate on every rank of a TP / expert-TP group (weight sync splits the stream by sender).
     """
     if stages not in ("local", "all"):
         raise ValueError(f"stages: expected 'local' or 'all', got {stages!r}")
+    if select is not None and stages != "local":
+        raise ValueError("select: only with stages='local'")
     metadata = hf_weight_metadata(model_chunks)
+    if select is not None:
+        metadata = [m for m in metadata if select(m)]
     layout = layout_of(model_chunks)
-    if stages == "local" or layout.pp == 1:
+    if stages == "local" or (layout.pp == 1 and layout.ep == 1):
         for meta, tensor in _iter_local(model_chunks, metadata):
             yield meta.hf_name, tensor
         return
+    yield from _iter_all(model_chunks, metadata, layout)
+
+
+def _iter_all(model_chunks, metadata, layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor on every rank: an expert goes from its EP rank to the stage's other EP ranks
+    (EP group), then each tensor from its stage to the other stages (PP group, whose ranks share
+    one EP rank)."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_pipeline_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
     local = _iter_local(model_chunks, metadata)
     for meta in metadata:
-        if meta.pp_stage == layout.pp_rank:
+        if is_local(meta, layout):
             _, tensor = next(local)
             tensor = tensor.contiguous()
         else:
             tensor = torch.empty(meta.shape, dtype=meta.dtype, device=current_device())
-        dist.broadcast(tensor, src=dist.get_global_rank(group, meta.pp_stage), group=group)
+        if meta.ep_rank is not None and ep_group is not None and meta.pp_stage == layout.pp_rank:
+            dist.broadcast(tensor, src=dist.get_global_rank(ep_group, meta.ep_rank), group=ep_group)
+        if layout.pp > 1:
+            dist.broadcast(tensor, src=dist.get_global_rank(pp_group, meta.pp_stage), group=pp_group)
         yield meta.hf_name, tensor
 
 

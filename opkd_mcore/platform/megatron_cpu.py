@@ -9,7 +9,12 @@ of torch every one of those raises. Instead of patching Megatron's files, this m
 * pushes a `TorchFunctionMode` that rewrites any CUDA `device=` argument (and `Tensor.cuda()`,
   `Tensor.to('cuda')`, `pin_memory=True`) to the CPU,
 * installs an RNG tracker that forks the CPU generator, so Megatron's
-  `get_cuda_rng_tracker().fork()` (weight init, dropout in TP regions) works unchanged.
+  `get_cuda_rng_tracker().fork()` (weight init, dropout in TP regions) works unchanged,
+* runs the Python backward of custom autograd Functions under the same mode (see
+  `_backward_with_mode`),
+* hands `all_to_all_single` its split sizes as lists: the MoE all-to-all token dispatcher moves
+  them to the host with a helper that only converts CUDA tensors (to numpy), so on the CPU they
+  arrive as tensors, which the collective's signature refuses.
 
 Everything is reversible (`disable_cpu_emulation`) and never active on GPU/NPU.
 """
@@ -46,6 +51,13 @@ def _is_accel_device(value) -> bool:
 _TENSOR_TO_ACCEL = {torch.Tensor.cuda}
 _TENSOR_TO = {torch.Tensor.to}
 _DEVICE_KWARGS = ("device",)
+_SPLIT_KWARGS = ("output_split_sizes", "input_split_sizes")
+
+
+def _is_all_to_all_single(func) -> bool:
+    # torch.distributed wraps its collectives (c10d_logger), so compare by name, not identity
+    return getattr(func, "__name__", "") == "all_to_all_single" and \
+        getattr(func, "__module__", "").startswith("torch.distributed")
 
 
 class CpuDeviceMode(TorchFunctionMode):
@@ -62,6 +74,10 @@ class CpuDeviceMode(TorchFunctionMode):
             kwargs["pin_memory"] = False  # pinning needs a CUDA runtime
         if func in _TENSOR_TO and len(args) > 1 and _is_accel_device(args[1]):
             args = (args[0], _CPU, *args[2:])
+        if _is_all_to_all_single(func):
+            for key in _SPLIT_KWARGS:
+                if isinstance(kwargs.get(key), torch.Tensor):
+                    kwargs[key] = kwargs[key].tolist()
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # Megatron's optimizers accept only 'torch.cuda.*Tensor' type strings (distributed
             # optimizer, bf16 optimizer, grad clipping): report CPU tensors under those names
@@ -70,6 +86,24 @@ class CpuDeviceMode(TorchFunctionMode):
                 return name
             return name.replace("torch.", f"torch.{_ACCEL_TYPE}.", 1)
         return func(*args, **kwargs)
+
+
+def _backward_with_mode(original_apply):
+    """`BackwardCFunction.apply` (a custom autograd Function's backward) that enters a
+    `CpuDeviceMode` when none is on. `torch.autograd.backward` dispatches through the mode, and a
+    mode is off while its own handler runs, so without this the Python backward of Megatron's
+    Functions (the MoE all-to-all allocates on `torch.cuda.current_device()`) would see raw CUDA
+    device arguments."""
+
+    def apply(self, *args):
+        from torch.overrides import _get_current_function_mode_stack
+
+        if any(isinstance(m, CpuDeviceMode) for m in _get_current_function_mode_stack()):
+            return original_apply(self, *args)
+        with CpuDeviceMode():
+            return original_apply(self, *args)
+
+    return apply
 
 
 class _CpuStream:
@@ -188,6 +222,8 @@ def enable_cpu_emulation() -> None:
         _swap(torch.cuda, _bridges(), saved, "cuda")
         _swap(torch.cuda.nvtx, _nvtx_bridges(), saved, "nvtx")
         _swap(threading.Thread, {"run": _thread_run_with_mode(threading.Thread.run)}, saved, "thread")
+        backward_cls = torch.autograd.function.BackwardCFunction
+        _swap(backward_cls, {"apply": _backward_with_mode(backward_cls.apply)}, saved, "autograd")
         from opkd_mcore.platform import cpu_rng
 
         _state["rng"] = cpu_rng.install_cpu_rng(saved)

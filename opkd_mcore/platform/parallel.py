@@ -32,7 +32,8 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel size (layers split into this many stages)
     vpp: int | None = None  # virtual pipeline chunks per stage (interleaved schedule); None = off
     cp: int = 1  # context-parallel size (needs Transformer Engine attention)
-    ep: int = 1  # expert-parallel size (MoE families only)
+    ep: int = 1  # expert-parallel size (MoE families only): routed experts split over this many ranks
+    etp: int | None = None  # expert tensor-parallel size (each expert's FFN split); None = tp
     seed: int = 1234  # base seed; TP ranks get seed+2718+tp_rank for model-parallel regions
     timeout_minutes: int = 30  # torch.distributed collective timeout
 
@@ -41,6 +42,8 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{name}: expected an int >= 1, got {value!r}")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise ValueError(f"ParallelConfig.etp: expected None or an int >= 1, got {self.etp!r}")
         if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 1):
             raise ValueError(f"ParallelConfig.vpp: expected None or an int >= 1, got {self.vpp!r}")
         if self.vpp is not None and self.vpp > 1 and self.pp < 2:
@@ -50,6 +53,11 @@ class ParallelConfig:
         if world_size is not None and world_size % model_parallel:
             raise ValueError(f"ParallelConfig: world size {world_size} is not divisible by "
                              f"tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {model_parallel}")
+        # Megatron lays the experts out as etp x ep x expert-dp x pp over the same ranks
+        expert_parallel = (self.tp if self.etp is None else self.etp) * self.ep * self.pp
+        if world_size is not None and world_size % expert_parallel:
+            raise ValueError(f"ParallelConfig.ep: world size {world_size} is not divisible by "
+                             f"etp*ep*pp = {self.etp or self.tp}*{self.ep}*{self.pp} = {expert_parallel}")
 
 
 def _free_port() -> int:
@@ -130,13 +138,14 @@ def init_parallel(cfg: ParallelConfig | None = None, device: str | None = None) 
         virtual_pipeline_model_parallel_size=cfg.vpp,
         context_parallel_size=cfg.cp,
         expert_model_parallel_size=cfg.ep,
+        expert_tensor_parallel_size=cfg.etp,
         distributed_timeout_minutes=cfg.timeout_minutes,
         # Megatron's optimizer asks for the gloo DP groups by default, on every device
         create_gloo_process_groups=True,
     )
     _seed_everything(cfg, on_cpu=kind == "cpu")
-    logger.info("parallel initialised: device=%s world=%d tp=%d pp=%d vpp=%s cp=%d ep=%d",
-                kind, dist.get_world_size(), cfg.tp, cfg.pp, cfg.vpp, cfg.cp, cfg.ep)
+    logger.info("parallel initialised: device=%s world=%d tp=%d pp=%d vpp=%s cp=%d ep=%d etp=%s",
+                kind, dist.get_world_size(), cfg.tp, cfg.pp, cfg.vpp, cfg.cp, cfg.ep, cfg.etp)
 
 
 def destroy_parallel(destroy_process_group: bool = False) -> None:

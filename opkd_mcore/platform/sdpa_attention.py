@@ -8,7 +8,8 @@ rejects packed sequences; Transformer Engine is not available on CPU. This modul
 * handles GQA by repeating each KV head for the query heads of its group (Megatron's grouping:
   query head h belongs to group h // (heads / groups)),
 * is causal, and supports packed sequences (`PackedSeqParams`, qkv_format "thd"): each sequence
-  between consecutive `cu_seqlens` attends only to itself (block-diagonal causal).
+  between consecutive `cu_seqlens` attends only to itself (block-diagonal causal), computed as one
+  right-padded batch when the lengths are similar and sequence by sequence otherwise.
 
 Shapes: sbhd input q [s, b, heads, d], k/v [s, b, groups, d] -> [s, b, heads*d];
 thd input q [t, heads, d], k/v [t, groups, d] -> [t, heads*d].
@@ -17,8 +18,14 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# Packed sequences go through SDPA as one padded batch when padding costs at most this factor in
+# tokens (B * longest <= budget * T); one call per sequence otherwise (a long sequence among short ones)
+PADDED_BATCH_BUDGET = 2.0
 
 
 class SdpaCoreAttention(nn.Module):
@@ -76,6 +83,9 @@ class SdpaCoreAttention(nn.Module):
         if bounds_q[-1] > query.shape[0]:
             raise ValueError(f"SdpaCoreAttention: cu_seqlens ends at {bounds_q[-1]} but the packed "
                              f"input has {query.shape[0]} tokens")
+        lengths = [end - start for start, end in zip(bounds_q[:-1], bounds_q[1:])]
+        if causal and len(lengths) > 1 and max(lengths) * len(lengths) <= PADDED_BATCH_BUDGET * bounds_q[-1]:
+            return self._as_padded_batch(query, key, value, bounds_q, lengths)
         out = query.new_zeros(query.shape[0], query.shape[1], query.shape[2])
         for start, end in zip(bounds_q[:-1], bounds_q[1:]):
             if end <= start:
@@ -83,4 +93,25 @@ class SdpaCoreAttention(nn.Module):
             # [t, n, d] -> [1, n, t, d]
             q, k, v = (x[start:end].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
             out[start:end] = self._sdpa(q, k, v, causal)[0].permute(1, 0, 2)
+        return out.reshape(query.shape[0], -1)
+
+    def _as_padded_batch(self, query, key, value, bounds: list[int], lengths: list[int]):
+        """Causal attention of the packed sequences as one right-padded batch [B, n, S_max, d]:
+        one SDPA call instead of one per sequence. Right padding needs no mask under causal
+        attention: a real query at position t only sees keys 0..t, which are all real; the padded
+        queries' outputs are dropped."""
+        total, longest, device = bounds[-1], max(lengths), query.device
+        lens = torch.tensor(lengths)
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), lens)
+        pos = torch.arange(total) - torch.repeat_interleave(torch.tensor(bounds[:-1]), lens)
+        seq, pos = seq.to(device, non_blocking=True), pos.to(device, non_blocking=True)
+
+        def batched(x):  # [T, n, d] -> [B, n, S_max, d]
+            padded = x.new_zeros(len(lengths), longest, x.shape[1], x.shape[2])
+            padded[seq, pos] = x[:total]
+            return padded.permute(0, 2, 1, 3)
+
+        out_bnsd = self._sdpa(batched(query), batched(key), batched(value), True)
+        out = query.new_zeros(query.shape[0], query.shape[1], query.shape[2])
+        out[:total] = out_bnsd.permute(0, 2, 1, 3)[seq, pos]
         return out.reshape(query.shape[0], -1)

@@ -83,7 +83,15 @@ class VllmRollout:
         if worker_extension_cls:
             kwargs["worker_extension_cls"] = worker_extension_cls
         kwargs.update(cfg.extra_engine_kwargs)
-        return LLM(**kwargs)
+        from opkd_mcore.rollout.engine_env import child_pids, engine_environment, yield_cpu_to_trainer
+        from opkd_mcore.platform import is_cpu
+
+        before = child_pids()
+        with engine_environment():
+            llm = LLM(**kwargs)
+        if is_cpu():
+            yield_cpu_to_trainer(before)
+        return llm
 
     # ---- weight versions and pausing -------------------------------------------------------
 

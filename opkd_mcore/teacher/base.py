@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, TopKTeacher
+from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, HiddenTeacher, TopKTeacher
 
-TeacherOutput = TopKTeacher | DenseTeacher
+TeacherOutput = TopKTeacher | DenseTeacher | HiddenTeacher
 
 
 class TeacherError(RuntimeError):
@@ -102,7 +102,8 @@ def check_outputs(sequences: Sequence[Sequence[int]], outputs: Sequence[TeacherO
         raise MalformedTeacherOutputError(
             f"{who}: expected {len(sequences)} scored sequences, got {len(outputs)}")
     for i, (seq, out) in enumerate(zip(sequences, outputs)):
-        values = out.logits if isinstance(out, DenseTeacher) else out.logprobs
+        values = (out.logits if isinstance(out, DenseTeacher)
+                  else out.hidden if isinstance(out, HiddenTeacher) else out.logprobs)
         if values.shape[0] != len(seq) - 1:
             raise MalformedTeacherOutputError(
                 f"{who}, sequence {i}: expected {len(seq) - 1} rows, got {values.shape[0]}")

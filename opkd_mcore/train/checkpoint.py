@@ -227,12 +227,16 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, export_only: bool = False
 RESUMABLE_KEYS = (
     "run.steps", "run.output_dir", "run.overwrite", "run.device",
     "logging.*", "checkpoint.*",
-    "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "parallel.world_size",
+    "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "parallel.etp",
+    "parallel.world_size",
     "teacher.teachers.*.url", "teacher.teachers.*.replica_urls", "teacher.teachers.*.offload",
     "weight_sync.host", "weight_sync.bucket_mb", "weight_sync.transport",
     "rollout.gpu_memory_utilization", "rollout.enforce_eager",
     "loss.impl",  # reference or fused kernels: the same loss
     "optim.overlap_grad_reduce",
+    # who runs the stages and where (the schedule, a result key, decides what overlaps); a torchrun
+    # `sync` checkpoint and a Ray `sync` one hold the same state (nothing in flight)
+    "controller.*",
 )
 # These change the numbers a run produces (and an unlisted key is treated the same way): the
 # model, batch shapes, objective, optimizer (including the checkpoint layout of the distributed
@@ -240,8 +244,10 @@ RESUMABLE_KEYS = (
 RESULT_KEYS = (
     "model.*", "parallel.micro_batch_size", "parallel.global_batch_size", "loss.*", "optim.*",
     "data.*", "rollout.*", "teacher.*", "weight_sync.every_steps", "run.seed", "run.schedule",
+    "run.max_staleness", "run.stale_policy", "run.is_truncation", "run.in_flight_update",
+    "run.partial_rollout_tokens",
 )
-LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep")
+LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "parallel.etp")
 
 
 class _Absent:

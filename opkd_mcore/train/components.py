@@ -41,7 +41,7 @@ def init_distributed(cfg: TrainConfig) -> None:
     from opkd_mcore.platform.parallel import ParallelConfig, init_parallel
 
     par = cfg.parallel
-    init_parallel(ParallelConfig(tp=par.tp, pp=par.pp, vpp=par.vpp, cp=par.cp, ep=par.ep,
+    init_parallel(ParallelConfig(tp=par.tp, pp=par.pp, vpp=par.vpp, cp=par.cp, ep=par.ep, etp=par.etp,
                                  seed=cfg.run.seed), device=cfg.run.device)
 
 
@@ -56,14 +56,16 @@ def shard_layout(engine) -> ShardLayout:
 
 
 def build_student(model_dir: str, optim: OptimConfig | None, params_dtype: str = "float32", *,
-                  padded_vocab: int | None = None, teacher=None):
+                  padded_vocab: int | None = None, teacher=None, moe_aux_loss_coef: float = 0.0):
     """Megatron chunks of this rank loaded from an HF checkpoint, wrapped in a `MegatronEngine`
-    (with `teacher`, an `InStepTeacher`, run inside each training step)."""
+    (with `teacher`, an `InStepTeacher`, run inside each training step). An MoE student gets the
+    router load-balancing loss when `moe_aux_loss_coef` > 0."""
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.train.engine import MegatronEngine
 
+    moe = {"moe_aux_loss_coeff": moe_aux_loss_coef} if moe_aux_loss_coef else {}
     chunks = build_model(load_hf_config(model_dir), params_dtype=DTYPES[params_dtype],
-                         padded_vocab=padded_vocab)
+                         padded_vocab=padded_vocab, **moe)
     load_hf_weights(chunks, model_dir)
     return MegatronEngine(chunks, optim, teacher=teacher), chunks
 
@@ -121,8 +123,11 @@ def check_loss_impl(cfg: TrainConfig) -> None:
     logger.info("loss: %s", f"fused kernels ({name})" if name else "torch reference path")
 
 
-def build_rollout(cfg: TrainConfig, model_dir: str | None = None):
-    """The student's vLLM engine (rank 0 only), with the weight receiver mixed into its workers."""
+def build_rollout(cfg: TrainConfig, model_dir: str | None = None, tensor_parallel_size: int = 1,
+                  sleep_mode: bool = False):
+    """The student's vLLM engine (rank 0 only; under the Ray controller, each rollout actor), with the
+    weight receiver mixed into its workers; `sleep_mode`: it can free its memory while a colocated
+    trainer trains."""
     from opkd_mcore.rollout import RolloutConfig, VllmRollout
     from opkd_mcore.weight_sync.vllm_handle import RECEIVER_CLS
 
@@ -130,6 +135,7 @@ def build_rollout(cfg: TrainConfig, model_dir: str | None = None):
     # raw logprobs (before temperature / top-p): the student's logprobs in the policy-gradient
     # form are at T=1 too, so the importance ratio compares like with like at any temperature
     rc = RolloutConfig(dtype=cfg.model.params_dtype, max_model_len=ro.max_model_len,
+                       tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=sleep_mode,
                        gpu_memory_utilization=ro.gpu_memory_utilization,
                        enforce_eager=ro.enforce_eager, seed=ro.seed, max_logprobs=1,
                        logprobs_mode="raw_logprobs")
@@ -188,6 +194,24 @@ class WeightSyncer:
         self.link.close()
 
 
+def build_trainer_rank(cfg: TrainConfig):
+    """This rank's student once `init_distributed` has run: (engine with the in-step teacher inside,
+    model chunks, shard layout, TP group). The SPMD path (`build_run`) and the Ray controller's
+    trainer actors both build their ranks here, so they train the same way."""
+    from megatron.core import parallel_state as ps
+
+    from opkd_mcore.train.teacher_setup import build_in_step_teacher, with_hidden_teacher_head
+
+    padded_vocab, student_vocab = shared_padded_vocab(cfg)
+    in_step = build_in_step_teacher(cfg, padded_vocab, student_vocab)
+    engine, chunks = build_student(cfg.model.student, optim_config(cfg), cfg.model.params_dtype,
+                                   padded_vocab=padded_vocab, teacher=in_step,
+                                   moe_aux_loss_coef=cfg.loss.moe_aux_loss_coef)
+    shard = with_hidden_teacher_head(cfg, shard_layout(engine), DTYPES[cfg.model.params_dtype],
+                                     engine.device)
+    return engine, chunks, shard, ps.get_tensor_model_parallel_group()
+
+
 def build_run(cfg: TrainConfig, *, resume: bool = False):
     """Every part of a run on this rank (`loop.DistillationRun`), restored from the latest
     checkpoint when `resume` (one must exist; the rollout engine then gets the restored weights)."""
@@ -197,27 +221,22 @@ def build_run(cfg: TrainConfig, *, resume: bool = False):
     from opkd_mcore.train.checkpoint import load_checkpoint, require_checkpoint, rollout_version_on_resume
     from opkd_mcore.train.loop import DistillationRun
 
-    from opkd_mcore.train.teacher_setup import build_in_step_teacher, build_scoring_teacher
+    from opkd_mcore.train.teacher_setup import build_scoring_teacher
 
     # vLLM engines first: importing vLLM after the CPU emulation is on trips torch.compile
     check_loss_impl(cfg)
     rollout = build_rollout(cfg) if is_rank0() else None
     teacher = build_scoring_teacher(cfg, student_vocab_size(cfg)) if is_rank0() else None
     init_distributed(cfg)
-    padded_vocab, student_vocab = shared_padded_vocab(cfg)
-    in_step = build_in_step_teacher(cfg, padded_vocab, student_vocab)
-    engine, chunks = build_student(cfg.model.student, optim_config(cfg), cfg.model.params_dtype,
-                                   padded_vocab=padded_vocab, teacher=in_step)
+    engine, chunks, shard, tp_group = build_trainer_rank(cfg)
     syncer = WeightSyncer(chunks, rollout, cfg)
     train_set, _ = build_datasets(cfg.data)
     sampler = PromptSampler(len(train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle)
-    from megatron.core import parallel_state as ps
-
     run = DistillationRun(cfg=cfg, engine=engine, chunks=chunks, rollout=rollout, teacher=teacher,
                           syncer=syncer, tokenizer=AutoTokenizer.from_pretrained(cfg.model.student),
-                          dataset=train_set, sampler=sampler, shard=shard_layout(engine),
-                          tp_group=ps.get_tensor_model_parallel_group(), rewards=task_rewards(cfg))
+                          dataset=train_set, sampler=sampler, shard=shard, tp_group=tp_group,
+                          rewards=task_rewards(cfg))
     if resume:  # `entry.train` has checked the directory already; nothing to resume is an error
         run.state = load_checkpoint(require_checkpoint(cfg.run.output_dir), engine)
         sampler.load_state_dict(run.state.sampler)

@@ -25,13 +25,16 @@ from opkd_mcore.platform.device import DEVICE_TYPES
 from opkd_mcore.train.sft import SftConfig
 
 logger = logging.getLogger(__name__)
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                      "configs", "demo_cpu.yaml")
+def demo_config_path() -> str:
+    """The demo's distillation config, `demo_cpu.yaml` beside this module (package data)."""
+    from importlib.resources import files
+
+    return str(files("opkd_mcore.train").joinpath("demo_cpu.yaml"))
 
 
 @dataclass(kw_only=True)
 class DemoConfig:
-    """Sizes of the demo (the distillation settings themselves are in configs/demo_cpu.yaml)."""
+    """Sizes of the demo (the distillation settings themselves are in `demo_cpu.yaml` beside this file)."""
 
     digits: int = 2  # operand digits of the addition task
     num_eval: int = 128  # held-out problems
@@ -159,7 +162,7 @@ def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = Non
     overrides = [f"model.student={paths['student_init']}", f"teacher.teachers.0.model={paths['teacher_hf']}",
                  f"run.output_dir={out}", "run.overwrite=true", f"data.task_digits={demo.digits}",
                  f"data.num_eval={demo.num_eval}", *demo.overrides, *(extra_overrides or [])]
-    cfg = load_config(CONFIG, overrides, validate=False)
+    cfg = load_config(demo_config_path(), overrides, validate=False)
     _, train_records, held_out = make_task(demo, cfg.data)
     os.makedirs(out, exist_ok=True)
     write_eval_file(os.path.join(out, "eval.jsonl"), held_out)
@@ -169,7 +172,7 @@ def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = Non
                   os.path.join(out, "teacher_sft.jsonl"))
     t_sft = time.perf_counter() - t_sft
     prune_mlp(paths["teacher_hf"], paths["student_init"], demo.student_mlp)
-    cfg = load_config(CONFIG, overrides)  # validated now that the teacher checkpoint exists
+    cfg = load_config(demo_config_path(), overrides)  # validated now that the teacher checkpoint exists
     max_new = len(held_out[0]["answer"]) + 1
     teacher_acc, _ = hf_greedy_accuracy(paths["teacher_hf"], held_out, max_new)
     before_acc, _ = hf_greedy_accuracy(paths["student_init"], held_out, max_new)

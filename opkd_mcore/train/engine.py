@@ -11,7 +11,13 @@ The engine owns the parallel training mechanics and nothing about distillation:
 * forward-only mode (`optim=None`) for a Megatron teacher or evaluation;
 * an optional dense teacher run inside the step (`train/teacher_in_step.py`): its TP-sharded
   logits of each micro-batch reach `loss_fn` as the batch's `DenseTeacher`;
+* the fused LM head (`train/lm_head.py`): when `loss_fn.lm_head_plan(batch, device, dtype)` says
+  so, the chunks run without their output layer and `loss_fn` receives an `LmHeadInput` (hidden
+  states + output-weight shard) instead of logits; an in-step teacher then hands over its hidden
+  states + weight shard as a `HiddenTeacher`;
 * a step whose loss or gradient norm is not finite is skipped (counted, never applied);
+* MoE students: Megatron's router load-balancing loss when the model was built with a coefficient,
+  scaled per step, and the `moe/*` router metrics (`train/moe_stats.py`);
 * checkpoints of model + optimizer + scheduler through `megatron.core.dist_checkpointing`
   (`train/engine_checkpoint.py`).
 
@@ -87,6 +93,9 @@ class MegatronEngine:
             optim.validate()
             self.model = self._wrap_ddp(model_chunks, optim)
             self.optimizer, self.scheduler = build_optimizer(self.model, optim, self.params_dtype)
+        from opkd_mcore.train.moe_stats import MoeStepStats
+
+        self.moe_stats = MoeStepStats.attach(model_chunks, self.config) if optim is not None else None
 
     # ------------------------------------------------------------------ setup
     def _wrap_ddp(self, model_chunks, optim: OptimConfig) -> list:
@@ -145,37 +154,86 @@ class MegatronEngine:
             return output_tensor.squeeze(0)
         return output_tensor[0, :num_tokens]
 
-    def _run_model(self, model, batch: PackedBatch) -> torch.Tensor:
-        return model(batch.tokens.unsqueeze(0), batch.position_ids.unsqueeze(0), attention_mask=None,
-                     packed_seq_params=batch.packed_seq_params())
+    def _run_model(self, model, batch: PackedBatch, hidden: bool = False) -> torch.Tensor:
+        """Logits of the last stage, or with `hidden` its final-norm hidden states (fused LM head)."""
+        def run():
+            return model(batch.tokens.unsqueeze(0), batch.position_ids.unsqueeze(0), attention_mask=None,
+                         packed_seq_params=batch.packed_seq_params())
+        if not hidden:
+            return run()
+        from opkd_mcore.train.lm_head import gpt_model, hidden_output
+        from opkd_mcore.train.teacher_in_step import PairedChunk
+
+        gpts = [gpt_model(model)] + ([model.teacher[0]] if isinstance(model, PairedChunk) else [])
+        with hidden_output(*gpts):
+            return run()
+
+    def _lm_head_input(self, model, hidden_SBH: torch.Tensor, num_tokens: int):
+        """The fused LM head's operands on the last stage: hidden rows [T, H] + output-weight shard."""
+        from megatron.core import parallel_state as ps
+
+        from opkd_mcore.train.lm_head import LmHeadInput, gpt_model, hidden_rows, output_weight
+
+        gpt = gpt_model(model)
+        weight = output_weight(gpt)
+        rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group())
+        # a wrapper that upcasts last-stage outputs (Megatron's Float16Module) would hand over float32
+        rows = rows if rows.dtype == weight.dtype else rows.to(weight.dtype)
+        # columns past the real vocabulary are padding, as `_mask_padding` treats materialised logits
+        return LmHeadInput(rows, weight, self.vocab_size)
+
+    def _teacher_hidden(self, model, hidden_SBH: torch.Tensor, num_tokens: int, dtype: torch.dtype):
+        """The in-step teacher's hidden rows + output-weight shard, for the fused LM head."""
+        from megatron.core import parallel_state as ps
+
+        from opkd_mcore.losses.teacher_outputs import HiddenTeacher
+        from opkd_mcore.train.lm_head import hidden_rows, output_weight
+
+        gpt = model.teacher[0]
+        rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group(), trainable=False)
+        return HiddenTeacher(rows.detach().to(dtype), output_weight(gpt).detach().to(dtype), self.teacher.vocab_size)
 
     def _forward_step_func(self, loss_fn: LossFn | None):
         """Megatron's forward_step_func: returns (output, loss closure) for one micro-batch."""
+        plan = getattr(loss_fn, "lm_head_plan", None)
+
         def forward_step(data_iterator, model):
             batch, model_input = next(data_iterator)
             batch, model_input = batch.to(self.device), model_input.to(self.device)
-            output = self._run_model(model, model_input)
+            fused_head = plan is not None and plan(batch, self.device, self.params_dtype)
+            output = self._run_model(model, model_input, hidden=fused_head)
             if isinstance(output, tuple):  # last stage of a step with the teacher in it
                 output, teacher_out = output
-                teacher_logits = self._rows(teacher_out, batch.num_tokens)
                 batch = copy.copy(batch)  # the engine's own copy: the caller's batch is not changed
-                batch.teacher = DenseTeacher(self._mask_padding(teacher_logits, self.teacher.vocab_size))
+                if fused_head:
+                    batch.teacher = self._teacher_hidden(model, teacher_out, batch.num_tokens, output.dtype)
+                else:
+                    teacher_logits = self._rows(teacher_out, batch.num_tokens)
+                    batch.teacher = DenseTeacher(self._mask_padding(teacher_logits, self.teacher.vocab_size))
 
             def loss_closure(output_tensor, non_loss_data: bool = False):
+                if fused_head:  # [S, 1, H] hidden states: the loss applies the output layer itself
+                    loss, metrics = loss_fn(self._lm_head_input(model, output_tensor, batch.num_tokens), batch)
+                    return self._reported(loss, metrics)
                 # [1, T_padded, V_local] -> [T, V_local]: the pipeline padding is cut off here
                 logits = self._mask_padding(self._rows(output_tensor, batch.num_tokens))
                 if non_loss_data:
                     return logits.detach()
                 loss, metrics = loss_fn(logits, batch)
-                if loss.dim() != 0:
-                    raise ValueError(f"loss_fn: expected a scalar loss, got shape {tuple(loss.shape)}")
-                reported = {"train/loss": loss.detach().float()}
-                reported.update({k: torch.as_tensor(v).detach().float() for k, v in metrics.items()})
-                # the token count is a placeholder: the caller normalised already (see finalize above)
-                return loss, torch.ones((), dtype=torch.int, device=loss.device), reported
+                return self._reported(loss, metrics)
 
             return output, loss_closure
         return forward_step
+
+    @staticmethod
+    def _reported(loss, metrics):
+        """Megatron's loss-closure triple: (loss, token count placeholder, reported metrics)."""
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn: expected a scalar loss, got shape {tuple(loss.shape)}")
+        reported = {"train/loss": loss.detach().float()}
+        reported.update({k: torch.as_tensor(v, device=loss.device).detach().float() for k, v in metrics.items()})
+        # the token count is a placeholder: the caller normalised already (see finalize above)
+        return loss, torch.ones((), dtype=torch.int, device=loss.device), reported
 
     def _run_schedule(self, micro_batches: list[PackedBatch], loss_fn, forward_only: bool,
                       collect_logits: bool, with_teacher: bool = False) -> list:
@@ -227,6 +285,8 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         lr = self.lr
+        if self.moe_stats is not None:
+            self.moe_stats.begin_step(len(micro_batches))
         if self.teacher is not None:
             self.teacher.acquire()
         try:
@@ -236,6 +296,8 @@ class MegatronEngine:
             if self.teacher is not None:
                 self.teacher.release()
         metrics = self._reduce_metrics(per_micro_batch)
+        if self.moe_stats is not None:
+            metrics.update(self.moe_stats.end_step())
         if metrics.get("teacher/nonfinite_rows", 0.0) > 0:
             from opkd_mcore.teacher.base import MalformedTeacherOutputError
 

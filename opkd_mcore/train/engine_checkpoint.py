@@ -78,7 +78,11 @@ def _restore_adam_steps(optimizer, loaded_state) -> None:
     correction of every later update would be wrong; give each parameter its own counter.
     """
     leaves = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-    states = loaded_state if isinstance(loaded_state, list) else [loaded_state]
+    if isinstance(loaded_state, dict) and loaded_state and all(isinstance(k, int) for k in loaded_state):
+        # several chained optimizers (an MoE model: dense and expert parameters) save {index: state}
+        states = [loaded_state[k] for k in sorted(loaded_state)]
+    else:
+        states = loaded_state if isinstance(loaded_state, list) else [loaded_state]
     for leaf, state in zip(leaves, states):
         groups = (state.get("optimizer") or {}).get("param_groups", []) if isinstance(state, dict) else []
         steps = {g["step"] for g in groups if g.get("step") is not None}

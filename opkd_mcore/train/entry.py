@@ -2,6 +2,7 @@
 
     opkd train --config configs/x.yaml [--resume | --overwrite] [key.path=value ...]
     torchrun --nproc_per_node 2 -m opkd_mcore.cli train --config configs/x.yaml parallel.tp=2
+    opkd train --config configs/x.yaml controller.kind=ray run.schedule=async   (docs/controller.md)
 
 Each step: prompts -> rollout (vLLM, n per prompt) -> teacher scoring -> student update (Megatron,
 packed micro-batches, vocab-parallel loss) -> weight sync into the rollout engine.
@@ -37,7 +38,12 @@ def train(cfg, *, resume: bool = False, export_only: bool = False, step_hook=Non
     `step_hook(run, step) -> dict` (optional) adds metrics after each step (the demo's evaluation).
     """
     from opkd_mcore.models import save_hf_checkpoint
+    from opkd_mcore.train.samples_log import SamplesLog
 
+    if cfg.controller.kind == "ray":  # worker groups as Ray actors, any schedule (controller/)
+        from opkd_mcore.controller import train_with_ray
+
+        return train_with_ray(cfg, resume=resume, export_only=export_only)
     out = cfg.run.output_dir
     config_yaml = dump_config(cfg)
     # before any engine starts: refuse what the output directory cannot serve, modifying nothing
@@ -45,6 +51,7 @@ def train(cfg, *, resume: bool = False, export_only: bool = False, step_hook=Non
     run = build_run(cfg, resume=resume or export_only)
     log = MetricsLogger(out, cfg.logging, cfg.run.steps, start_step=run.state.step,
                         enabled=is_rank0() and not export_only)
+    run.samples_log = SamplesLog(out, start_step=run.state.step, enabled=is_rank0() and not export_only)
     if is_rank0():
         dump_config(cfg, os.path.join(out, "config.yaml"))
     history = []

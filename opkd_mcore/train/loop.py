@@ -39,19 +39,13 @@ class DistillationRun:
     tp_group: object = None
     state: TrainerState = field(default_factory=TrainerState)
     rewards: object = None  # data.rewards.TaskRewards when the loss uses task rewards
+    samples_log: object = None  # train.samples_log.SamplesLog (rank 0 writes samples.jsonl); None: off
 
     def prompts(self) -> stages.PromptBatch:
         """The next prompts (same on every rank: the sampler is seeded and stepped everywhere),
         each with its own sampling seed (from the run's seed, the step and its place in the batch)."""
-        from opkd_mcore.rollout.vllm_rollout import sample_seed
-
-        indices = self.sampler.next_batch()
-        ds = self.dataset
-        data = [route_data(self.cfg, {"data_source": ds.data_source(i), "answer": ds.answer(i),
-                                      "prompt": ds.prompt(i)}) for i in indices]
-        ids = [encode_record(self.tokenizer, ds, i, self.cfg.data.chat_template) for i in indices]
-        seeds = [sample_seed(self.cfg.rollout.seed, self.state.step, j) for j in range(len(indices))]
-        return stages.PromptBatch(indices=indices, prompt_ids=ids, data=data, seeds=seeds)
+        return encode_prompts(self.cfg, self.tokenizer, self.dataset, self.sampler.next_batch(),
+                              self.state.step)
 
     def sampling(self) -> SamplingConfig:
         ro = self.cfg.rollout
@@ -61,6 +55,7 @@ class DistillationRun:
     def step(self) -> dict[str, float]:
         """One full step; returns its metrics (same on every rank)."""
         start = time.perf_counter()
+        drawn_from = self.sampler.state_dict()  # where this step's prompts start (their epochs)
         prompts = self.prompts()
         scored = None
         if is_rank0():
@@ -72,6 +67,7 @@ class DistillationRun:
         scored, timings = stages.share_from_rank0((scored, timings if is_rank0() else None))
         result = stages.train_stage(self.engine, scored, self.cfg.loss, self.cfg.parallel, self.shard,
                                     self.tp_group)
+        self._log_samples(prompts, drawn_from, scored)
         self.state.step += 1
         sync_s = 0.0
         if self.state.step % self.cfg.weight_sync.every_steps == 0:
@@ -84,6 +80,30 @@ class DistillationRun:
                         "timing/step": step_s, "rollout/weight_version": float(self.state.weight_version),
                         "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(step_s, 1e-9)})
         return metrics
+
+    def _log_samples(self, prompts: stages.PromptBatch, drawn_from: dict, scored: stages.ScoredBatch) -> None:
+        """One samples.jsonl line per trained sample (the in-order schedule drops nothing)."""
+        if self.samples_log is None:
+            return
+        from opkd_mcore.train.samples_log import batch_records, default_teacher_name, draw_epochs
+
+        epochs = draw_epochs(drawn_from, len(self.dataset), len(prompts.indices))
+        self.samples_log.write(batch_records(
+            self.state.step, prompts.indices, epochs, scored.samples, self.state.weight_version,
+            default_teacher_name(self.cfg.teacher.teachers)))
+
+
+def encode_prompts(cfg: TrainConfig, tokenizer, dataset: PromptDataset, indices: list[int],
+                   batch_number: int) -> stages.PromptBatch:
+    """Token ids, routed data and sampling seeds of the prompts `indices`, drawn as batch
+    `batch_number` (the step, in order); the Ray controller draws its prompts through this too."""
+    from opkd_mcore.rollout.vllm_rollout import sample_seed
+
+    data = [route_data(cfg, {"data_source": dataset.data_source(i), "answer": dataset.answer(i),
+                             "prompt": dataset.prompt(i)}) for i in indices]
+    ids = [encode_record(tokenizer, dataset, i, cfg.data.chat_template) for i in indices]
+    seeds = [sample_seed(cfg.rollout.seed, batch_number, j) for j in range(len(indices))]
+    return stages.PromptBatch(indices=list(indices), prompt_ids=ids, data=data, seeds=seeds)
 
 
 def rollout_metrics(scored: stages.ScoredBatch) -> dict[str, float]:

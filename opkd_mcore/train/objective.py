@@ -8,15 +8,28 @@ and DP ranks and get step means.
 """
 from __future__ import annotations
 
+import copy
+import functools
+import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from opkd_mcore.config.schema import LossSection
 from opkd_mcore.losses import (
-    DenseTeacher, TopKTeacher, aggregate, kd_loss_with_stats, policy_gradient_kd_loss,
+    DenseTeacher,
+    HiddenTeacher,
+    TopKTeacher,
+    aggregate,
+    kd_loss_with_stats,
+    policy_gradient_kd_loss,
 )
+from opkd_mcore.losses.fused_linear import hidden_teacher_logits
 from opkd_mcore.train.batch import PackedBatch
+from opkd_mcore.train.lm_head import LmHeadInput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,9 +65,15 @@ def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
     gathering those rows first would copy the logits (and their gradient) once more.
     """
 
-    def loss_fn(logits_local: torch.Tensor, batch: PackedBatch):
+    def loss_fn(logits_local: torch.Tensor | LmHeadInput, batch: PackedBatch):
         mask = batch.loss_mask
-        if loss.form == "policy_gradient":
+        if isinstance(logits_local, LmHeadInput):  # the fused LM head: hidden states + weight shard
+            per_token, metrics = _fused_head_kd(logits_local, batch, loss, tp_group)
+        elif isinstance(batch.teacher, HiddenTeacher):  # fused head off: the teacher's logits, formed here
+            batch = copy.copy(batch)
+            batch.teacher = DenseTeacher(hidden_teacher_logits(batch.teacher, tp_group, dtype=logits_local.dtype))
+            return loss_fn(logits_local, batch)
+        elif loss.form == "policy_gradient":
             per_token, metrics = _policy_gradient(logits_local, batch, loss)
         else:
             per_token, metrics = _distribution_kd(logits_local, batch, loss, tp_group)
@@ -69,7 +88,82 @@ def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
         out["train/response_tokens"] = mask.sum()
         return scalar, out
 
+    # the engine asks, per micro-batch, whether to hand over hidden states instead of logits
+    loss_fn.lm_head_plan = functools.partial(fused_lm_head_plan, loss)
     return loss_fn
+
+
+# ---------------------------------------------------------------- the fused LM head
+def _engine_impl(impl: str) -> str:
+    return {"fused": "auto"}.get(impl, impl)
+
+
+@functools.lru_cache(maxsize=None)
+def _say_lm_head(decision: str) -> None:
+    logger.info("loss.fused_lm_head: %s", decision)
+
+
+def _lm_head_not_covered(loss: LossSection, teacher) -> str | None:
+    if loss.form != "logit":
+        return "loss.form: policy_gradient scores the sampled token from materialised logits"
+    if loss.impl == "reference":
+        return "loss.impl: reference materialises the logits"
+    if isinstance(teacher, DenseTeacher):
+        return "the teacher hands over full-vocabulary logits (output: dense)"
+    return None   # top-k rows, hidden states, or the in-step Megatron teacher (None until the step)
+
+
+def fused_lm_head_plan(loss: LossSection, batch: PackedBatch, device, dtype: torch.dtype) -> bool:
+    """True when the step should run the output layer inside the loss for `batch` (`loss_fn` then
+    gets an `LmHeadInput`). `auto`: where the Triton tiles run and the objective and teacher are
+    covered; the chunked twin on CPU / NPU trades one more pass for memory, so it is on only when
+    asked for (`on`). The decision is logged once."""
+    from opkd_mcore.config.validate import fused_lm_head_mode
+    from opkd_mcore.losses.fused_linear import engine_name
+
+    mode = fused_lm_head_mode(loss.fused_lm_head)
+    if mode == "off":
+        _say_lm_head("off (loss.fused_lm_head: off)")
+        return False
+
+    why = _lm_head_not_covered(loss, batch.teacher)
+    engine = None
+    if why is None:
+        # engine_name reads only these two attributes: no allocation on the device
+        engine = engine_name(SimpleNamespace(device=torch.device(device), dtype=dtype), _engine_impl(loss.impl))
+        if engine is None:
+            why = f"no fused LM-head kernel takes {dtype}"
+        elif mode == "auto" and engine != "triton":
+            why = f"auto turns it on where the Triton tiles run; here the chunked {engine} twin would (use on)"
+    if why is not None:
+        if mode == "on":
+            raise ValueError(f"loss.fused_lm_head: 'on' cannot run: {why}")
+        _say_lm_head(f"off ({why})")
+        return False
+    _say_lm_head(f"on ({engine} engine)")
+    return True
+
+
+def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group):
+    """`kd_loss` of the logits `head.hidden @ head.weight.T`, which are never formed."""
+    from opkd_mcore.losses import linear_kd_loss_with_stats
+
+    teacher = batch.teacher
+    if isinstance(teacher, HiddenTeacher) and teacher.hidden.dtype != head.hidden.dtype:
+        # served rows arrive in bf16; the kernels take one operand dtype (the student's)
+        teacher = HiddenTeacher(teacher.hidden.to(head.hidden.dtype), teacher.weight.to(head.hidden.dtype),
+                                teacher.vocab_size)
+    per_token, stats = linear_kd_loss_with_stats(
+        head.hidden, head.weight, teacher, divergence=loss.divergence, beta=loss.beta,
+        temperature=loss.temperature, support=loss.support, k=loss.k, mass=loss.mass,
+        coverage_coef=loss.coverage_coef, tp_group=tp_group, impl=_engine_impl(loss.impl),
+        validate=isinstance(teacher, TopKTeacher), vocab_end=head.vocab_size)
+    metrics = {"kd/teacher_mass_on_support": stats.teacher_mass,
+               "kd/student_mass_on_support": stats.student_mass}
+    if isinstance(teacher, HiddenTeacher):  # dense teacher: agreement and NaN rows from the stats pass
+        metrics["teacher/top1_agreement"] = (stats.teacher_top1 == _next_tokens(batch)).float()
+        metrics["teacher/nonfinite_rows"] = torch.isnan(stats.lse[:, 1]).float()
+    return per_token, metrics
 
 
 def _distribution_kd(logits, batch, loss: LossSection, tp_group):

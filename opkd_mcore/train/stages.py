@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from opkd_mcore.config.schema import LossSection, ParallelSection
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, teacher_confidence_scores, teacher_confidence_weights
-from opkd_mcore.losses.teacher_outputs import PAD_ID
+from opkd_mcore.losses.teacher_outputs import PAD_ID, HiddenTeacher
 from opkd_mcore.rollout import Sample, SamplingConfig
 from opkd_mcore.train.batch import PackedBatch, pack_sequences
 from opkd_mcore.train.objective import StepCounts, make_loss_fn
@@ -109,6 +109,9 @@ def _pad_teacher_rows(out, shard: "ShardLayout"):
     probability 0: the loss compares the two distributions over the ids the student can emit."""
     if out is None:
         return None
+    if isinstance(out, HiddenTeacher):  # hidden states: this rank's shard of the teacher's output weight
+        hidden = torch.cat([out.hidden, out.hidden.new_zeros(1, out.hidden.shape[1])])
+        return HiddenTeacher(hidden=hidden, weight=shard.teacher_weight, vocab_size=shard.teacher_vocab)
     if isinstance(out, TopKTeacher):
         ids = torch.cat([out.ids, torch.full((1, out.ids.shape[1]), PAD_ID, dtype=out.ids.dtype)])
         lps = torch.cat([out.logprobs, torch.full((1, out.ids.shape[1]), -math.inf,
@@ -126,6 +129,8 @@ def _pad_teacher_rows(out, shard: "ShardLayout"):
 def _concat_teacher(rows: list):
     if rows[0] is None:
         return None
+    if isinstance(rows[0], HiddenTeacher):
+        return HiddenTeacher(torch.cat([r.hidden for r in rows]), rows[0].weight, rows[0].vocab_size)
     if isinstance(rows[0], TopKTeacher):
         width = max(r.ids.shape[1] for r in rows)
         ids = [torch.nn.functional.pad(r.ids, (0, width - r.ids.shape[1]), value=PAD_ID) for r in rows]
@@ -145,6 +150,8 @@ class ShardLayout:
     vocab_local: int = 0  # columns of this rank's logits shard
     padded_vocab: int = 0  # all shards together
     vocab_size: int | None = None  # the student's real vocabulary (columns past it are padding)
+    teacher_weight: torch.Tensor | None = None  # [vocab_local, H_t] shard of a hidden-state teacher's output weight
+    teacher_vocab: int | None = None  # that teacher's real vocabulary (ids past it get probability 0)
 
 
 def confidence_weights(scored: ScoredBatch, alpha: float) -> torch.Tensor | None:
@@ -194,10 +201,15 @@ def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLa
 
 
 def train_stage(engine, scored: ScoredBatch, loss: LossSection, par: ParallelSection,
-                shard: ShardLayout, tp_group=None) -> TrainResult:
-    """One optimizer step of the student on the scored samples."""
+                shard: ShardLayout, tp_group=None,
+                sequence_weights: torch.Tensor | None = None) -> TrainResult:
+    """One optimizer step of the student on the scored samples. `sequence_weights` (one per sample,
+    e.g. the Ray controller's truncated importance weights of stale samples) multiply the
+    teacher-confidence weights."""
     start = time.perf_counter()
     weights = confidence_weights(scored, loss.confidence_alpha)
+    if sequence_weights is not None:
+        weights = sequence_weights if weights is None else weights * sequence_weights
     micro_batches, counts = pack_micro_batches(scored, par, shard, weights)
     metrics = engine.train_step(micro_batches, make_loss_fn(loss, counts, tp_group))
     return TrainResult(metrics=metrics, seconds=time.perf_counter() - start)

@@ -23,18 +23,40 @@ def in_step_endpoint(cfg: TrainConfig) -> TeacherEndpoint | None:
     return next((t for t in cfg.teacher.teachers if t.backend == "megatron"), None)
 
 
+def with_hidden_teacher_head(cfg: TrainConfig, shard, dtype, device=None):
+    """`shard` (a `stages.ShardLayout`) with this TP rank's rows of the output weight of the run's
+    hidden-state teacher (`output: hidden`), read from its HF checkpoint; unchanged without one."""
+    t = next((t for t in cfg.teacher.teachers if teacher_output(t) == "hidden"), None)
+    if t is None:
+        return shard
+    from megatron.core import parallel_state as ps
+
+    from opkd_mcore.models import load_hf_config
+    from opkd_mcore.teacher.hidden_states import load_output_weight_shard
+
+    weight = load_output_weight_shard(t.model, shard.padded_vocab, ps.get_tensor_model_parallel_rank(),
+                                      ps.get_tensor_model_parallel_world_size(), dtype, device)
+    vocab = load_hf_config(t.model).vocab_size
+    logger.info("teacher %s: hidden states; its output weight held here, %s rows of %s", t.name,
+                tuple(weight.shape), vocab)
+    return dataclasses.replace(shard, teacher_weight=weight,
+                               teacher_vocab=min(vocab, shard.vocab_size or vocab))
+
+
 def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None):
     if t.backend == "vllm":
         from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
 
         return VllmTeacher(t.model, VllmTeacherConfig(
             k=t.top_k, max_model_len=cfg.rollout.max_model_len, seed=cfg.rollout.seed,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization))
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "remote":
         from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher
 
         # the server is asked once whether it can score every id the student may sample
-        return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k, student_vocab_size=student_vocab))
+        return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k, student_vocab_size=student_vocab,
+                                                     output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "hf":
         from opkd_mcore.teacher.hf_teacher import TransformersTeacher
 

@@ -1,9 +1,17 @@
-"""Weight sync from a Megatron job: which ranks export, which rank of each PP stage sends.
+"""Weight sync from a Megatron job: which ranks export, which rank sends what.
 
-Each PP stage has one owner (TP rank 0 of data-parallel replica 0, CP rank 0) that sends its own
-stage's tensors over that stage's group, so no rank ever holds more than its stage's two buckets and
-stages never funnel through one rank. The other TP ranks of replica 0 take part in the export
-(the TP gather is collective) and send nothing; the other replicas do nothing.
+The tensors are split into *sources*, one sending rank and one group each: source
+`pp_stage * ep + ep_rank`. Source (s, 0) carries stage s's shared tensors (everything but routed
+experts) and EP rank 0's experts; source (s, e > 0) carries only EP rank e's experts (dense models:
+ep = 1, one source per stage). So no rank ever holds more than its source's two buckets, stages
+never funnel through one rank, and each EP rank's experts leave from that rank: nothing gathers the
+experts of other EP ranks.
+
+Who takes part: the shared tensors are exported by data-parallel replica 0 (CP rank 0), TP-gathered,
+and sent by its TP rank 0; EP rank e's experts by expert-data-parallel replica 0 of that EP rank,
+gathered over expert TP, and sent by its expert-TP rank 0. In Megatron's rank order the first rank
+of a stage is both TP rank 0 of replica 0 and expert-TP rank 0 of EP rank 0, so source (s, 0) has
+one sender (checked). A rank walks its sources in order, as the receivers drain them.
 
 Ports: `bind()` (every trainer rank) lets each stage owner take its group's port — the configured one,
 or a free one when that is taken or the base port is 0 — and agrees the ports over the trainer's
@@ -40,6 +48,7 @@ class SyncGroupsConfig:
     transport: str = "group"  # a name registered in weight_sync.transport.TRANSPORTS
 
     def stage_groups(self, num_stages: int) -> list[TransportConfig]:
+        """One group per source (`num_stages` = pp * ep; pp for a dense model)."""
         base = TransportConfig(host=self.host, world_size=1 + self.num_receivers, timeout_s=self.timeout_s,
                                join_timeout_s=self.join_timeout_s)
         return [replace(base, port=self.base_port + s if self.base_port else 0) for s in range(num_stages)]
@@ -52,16 +61,64 @@ def _ranks():
             ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_context_parallel_rank())
 
 
+def _expert_ranks() -> tuple[int, int, int, int]:
+    """(ep rank, ep size, expert-TP rank, expert-data-parallel rank)."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())
+
+
 def takes_part_in_export() -> bool:
-    """True on the ranks that run the (TP-collective) export: data-parallel replica 0, CP rank 0."""
+    """True on the ranks that export the shared tensors (TP-collective): DP replica 0, CP rank 0."""
     _, _, _, dp, cp = _ranks()
     return dp == 0 and cp == 0
 
 
+def takes_part_in_expert_export() -> bool:
+    """True on the ranks that export their EP rank's experts (collective over expert TP)."""
+    return _expert_ranks()[3] == 0
+
+
+def source_of(meta, ep: int) -> int:
+    """The source (sending rank's group) of a `WeightMeta`: stage * ep + owning EP rank (0 if shared)."""
+    return meta.pp_stage * ep + (meta.ep_rank or 0)
+
+
+def my_source() -> int | None:
+    """The source this rank sends, or None (at most one: a rank has one stage and one EP rank)."""
+    stage, _, tp, _, _ = _ranks()
+    ep_rank, ep, etp_rank, _ = _expert_ranks()
+    if not takes_part_in_expert_export() or etp_rank != 0:
+        return None
+    # EP rank 0's sender also sends the shared tensors: it must be their exporter's TP rank 0
+    if ep_rank == 0 and not (takes_part_in_export() and tp == 0):
+        return None
+    return stage * ep + ep_rank
+
+
 def is_stage_owner() -> bool:
-    """True on the one rank per PP stage that sends that stage's tensors."""
+    """True on a rank that sends one source (a PP stage's shared tensors, or an EP rank's experts)."""
+    return my_source() is not None
+
+
+def _check_single_sender_of_shared(ep: int) -> None:
+    """The shared tensors' sender (TP rank 0 of replica 0) must also send EP rank 0's experts."""
     _, _, tp, _, _ = _ranks()
-    return takes_part_in_export() and tp == 0
+    ep_rank, _, etp_rank, edp_rank = _expert_ranks()
+    if takes_part_in_export() and tp == 0 and (ep_rank, etp_rank, edp_rank) != (0, 0, 0):
+        raise RuntimeError(f"weight sync: the rank exporting the shared tensors (TP rank 0 of data-parallel "
+                           f"replica 0) is EP rank {ep_rank}, expert-TP rank {etp_rank}, expert-DP rank "
+                           f"{edp_rank}: expected 0, 0, 0 (Megatron rank order changed?)")
+
+
+def _my_parts(meta, stage: int) -> bool:
+    """True for the tensors whose export this rank takes part in (its stage, shared or own experts)."""
+    if meta.pp_stage != stage:
+        return False
+    if meta.ep_rank is None:
+        return takes_part_in_export()
+    return meta.ep_rank == _expert_ranks()[0] and takes_part_in_expert_export()
 
 
 class MegatronWeightSync:
@@ -72,19 +129,26 @@ class MegatronWeightSync:
 
         self.model_chunks, self.cfg = model_chunks, cfg
         stage, num_stages, *_ = _ranks()
-        self.plan = BucketPlan.from_metadata(hf_weight_metadata(model_chunks), cfg.bucket_bytes)
-        self.groups = cfg.stage_groups(num_stages)
+        self.ep = _expert_ranks()[1]
+        _check_single_sender_of_shared(self.ep)
+        self.metadata = hf_weight_metadata(model_chunks)
+        # the plan's "stage" of a tensor is its source: one group and one sender per source
+        self.plan = BucketPlan.from_metadata([replace(m, pp_stage=source_of(m, self.ep)) for m in self.metadata],
+                                             cfg.bucket_bytes)
+        self.groups = cfg.stage_groups(num_stages * self.ep)
+        self.source = my_source()
+        # sources whose export this rank takes part in, in the order the receivers drain them
+        self.sources = sorted({source_of(m, self.ep) for m in self.metadata if _my_parts(m, stage)})
         self.sender: WeightSender | None = None
-        if is_stage_owner():
-            transport = make_transport(cfg.transport, self.groups[stage], rank=0)
-            self.sender = WeightSender(self.plan, transport, stage)
+        if self.source is not None:
+            transport = make_transport(cfg.transport, self.groups[self.source], rank=0)
+            self.sender = WeightSender(self.plan, transport, self.source)
 
     def bind(self) -> list[TransportConfig]:
         """Collective over every trainer rank: stage owners hold their group's port (moving to a free
         one if it is taken), then all ranks agree on the ports; returns `groups` for the receivers."""
-        stage = _ranks()[0]
         port = self.sender.transport.bind() if self.sender is not None else 0
-        ports = agree_stage_ports(stage, port, len(self.groups))
+        ports = agree_stage_ports(self.source or 0, port, len(self.groups))
         self.groups = [replace(g, port=p) for g, p in zip(self.groups, ports)]
         return self.groups
 
@@ -95,21 +159,25 @@ class MegatronWeightSync:
             self.sender.transport.connect()
 
     def sync(self, version: int) -> SenderStats | None:
-        """Export and send this stage (collective over TP); raises on every exporting rank on failure."""
+        """Export and send this rank's sources (collective over TP / expert TP); raises on every
+        exporting rank on failure."""
         from opkd_mcore.models import iter_hf_weights
 
-        if not takes_part_in_export():
-            return None
-        stream = iter_hf_weights(self.model_chunks, stages="local")
+        stage = _ranks()[0]
         error: BaseException | None = None
-        try:
-            if self.sender is not None:
-                self.sender.sync(stream, version)
-        except Exception as err:  # noqa: BLE001  (re-raised below, after the TP peers are released)
-            error = err
-        for _ in stream:  # TP peers block in the export's gathers until the owner has walked it all
-            pass
-        _agree_over_tp(error)
+        for source in self.sources:
+            def select(meta, source=source):
+                return source_of(meta, self.ep) == source and _my_parts(meta, stage)
+
+            stream = iter_hf_weights(self.model_chunks, stages="local", select=select)
+            try:
+                if source == self.source and error is None:
+                    self.sender.sync(stream, version)
+            except Exception as err:  # noqa: BLE001  (re-raised below, after the peers are released)
+                error = err
+            for _ in stream:  # peers block in the export's gathers until the sender has walked it all
+                pass
+        _agree(error, shared=takes_part_in_export(), experts=takes_part_in_expert_export() and self.ep > 1)
         return self.sender.stats if self.sender is not None else None
 
     def close(self) -> None:
@@ -130,14 +198,19 @@ def agree_stage_ports(stage: int, port: int, num_stages: int, group=None) -> lis
     return agreed
 
 
-def _agree_over_tp(error: BaseException | None) -> None:
+def _agree(error: BaseException | None, shared: bool, experts: bool) -> None:
+    """Every exporting rank learns whether a sender it exported for failed: over TP for the shared
+    tensors, over expert TP for the experts (each group's ranks all take part, or none does)."""
     from megatron.core import parallel_state as ps
 
     failed = torch.tensor([1 if error is not None else 0], dtype=torch.int64, device=current_device())
-    group = ps.get_tensor_model_parallel_group()
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(failed, group=group)
+    groups = ([ps.get_tensor_model_parallel_group()] if shared else []) + \
+        ([ps.get_expert_tensor_parallel_group()] if experts else [])
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if error is not None:
         raise error
     if failed.item():
-        raise RuntimeError("weight sync failed on this stage's sending rank (TP rank 0); see its log")
+        raise RuntimeError("weight sync failed on the sending rank of a source this rank exported for "
+                           "(TP / expert-TP rank 0); see its log")

@@ -13,6 +13,7 @@ weights after loading (a plain `load_weights` into such an engine fails).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import asdict
 
@@ -30,13 +31,21 @@ def expected_hf_weights(hf_config, dtype: torch.dtype) -> ExpectedWeights:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
-    expected, seen = {}, set()
+    state, seen = {}, set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:  # tied weights travel once, under their first name
             continue
         seen.add(id(tensor))
-        expected[name] = (tuple(tensor.shape), tensor.dtype)
-    return expected
+        state[name] = tensor
+    # transformers >= 5 holds MoE experts fused ([E, 2F, H] gate_up_proj); checkpoints (and our
+    # stream) name them per expert. Its save-time reversal maps back, shapes only on meta tensors.
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x: the module's names are the checkpoint's
+        revert_weight_conversion = None
+    if revert_weight_conversion is not None:
+        state = revert_weight_conversion(model, state)
+    return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
 
 
 def _layerwise_reload_api():
@@ -69,6 +78,42 @@ def _own_deferred_tensors(buffers: list[torch.Tensor]) -> None:
                     bound.arguments[key] = value.clone()
 
 
+@contextlib.contextmanager
+def _cpu_moe_prepack_on_update(model):
+    """Prepack fused-MoE expert weights after a weight update on vLLM's CPU backend.
+
+    vLLM (0.32) runs the experts' own `process_weights_after_loading` (on the CPU: repacking w13/w2
+    into the grouped-GEMM layout) only when the MoE kernel is first built; a weight update goes
+    through `_setup_kernel` with the kernel already present and skips it, so a reloaded CPU engine
+    would multiply with unpacked weights (its own `reload_weights` has the same fault). While this
+    context is open, each MoE layer's processing is followed by the experts' processing; the
+    layerwise reload then copies the packed values into the engine's tensors. Layers that receive
+    nothing are never processed, so nothing is packed twice. Other platforms are left alone.
+    """
+    from vllm.platforms import current_platform
+
+    patched = []
+    if current_platform.is_cpu():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+            if experts is None or not hasattr(experts, "process_weights_after_loading") or \
+                    any(m is method for m in patched):  # a method object shared by layers: wrap once
+                continue
+
+            def process(layer, original=method.process_weights_after_loading, experts=experts):
+                original(layer)
+                experts.process_weights_after_loading(layer)
+
+            method.process_weights_after_loading = process  # instance attribute: shadows the method
+            patched.append(method)
+    try:
+        yield
+    finally:
+        for method in patched:
+            del method.process_weights_after_loading
+
+
 class VllmWeightReceiver:
     """Mixed into vLLM's worker class; `self` is the worker (model_runner, model_config, rank)."""
 
@@ -98,13 +143,14 @@ class VllmWeightReceiver:
             model.load_weights(weights=named)
             _own_deferred_tensors(receiver.buffers())
 
-        try:
-            version = receiver.receive(load)
-            ok = True
-        finally:
-            # restores kernel tensors of layers that got nothing, so the engine stays usable
-            finalize(model, self.model_config)
-            self._opkd_weights_consistent = ok
+        with _cpu_moe_prepack_on_update(model):
+            try:
+                version = receiver.receive(load)
+                ok = True
+            finally:
+                # restores kernel tensors of layers that got nothing, so the engine stays usable
+                finalize(model, self.model_config)
+                self._opkd_weights_consistent = ok
         logger.info("loaded weight version %d", version)
         return version
 

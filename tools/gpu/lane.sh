@@ -7,6 +7,10 @@
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   bash tools/gpu/lane.sh train2         # the same with student TP=2 over 2 GPUs
 #   bash tools/gpu/lane.sh demo           # opkd demo --device cuda
+#   bash tools/gpu/lane.sh e2e qwen3-8b tp1-disagg   # weight sync Megatron -> vLLM vs raw (2 GPUs)
+#   bash tools/gpu/lane.sh loss           # the loss inside a training step: time, share, memory
+#   bash tools/gpu/lane.sh lm_head        # fused LM head + KD: GPU tests, then the benchmark
+#   bash tools/gpu/lane.sh moe            # MoE student at EP=2 (2 GPUs)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -34,7 +38,14 @@ PY
 
 case "${1:-}" in
   tests)
-    python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rs tests/ "${@:2}" 2>&1 | tee "$OUT/tests.log" ;;
+    targets=("${@:2}"); [ ${#targets[@]} -eq 0 ] && targets=(tests/)
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rs "${targets[@]}" 2>&1 \
+        | tee "$OUT/tests.log" ;;
+  e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
+    [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
+    python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
+        --bucket-mb 1024 --iters 5 --json "$OUT/e2e_$2_$3.json" > "$OUT/e2e_$2_$3.log" 2>&1
+    grep -A3 "^| layout" "$OUT/e2e_$2_$3.log" || tail -20 "$OUT/e2e_$2_$3.log" ;;
   models)
     python3 tools/make_model.py --shape qwen3-0.6b --out /tmp/models/qwen3-0.6b --seed 1
     python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 ;;
@@ -56,5 +67,17 @@ case "${1:-}" in
     python3 -m opkd_mcore.cli demo --device cuda --out /tmp/runs/demo "${@:2}" > "$OUT/demo.log" 2>&1
     echo "demo wall time $(( $(date +%s) - start )) s" | tee -a "$OUT/demo.log"
     cp /tmp/runs/demo/summary.json "$OUT/demo_summary.json" ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  loss)  # the loss inside a real training step: fused vs reference, top-64 and dense teachers
+    python3 tools/bench_train_step.py --shape qwen3-0.6b --tokens 8192 --k 64 --out "$OUT/step_loss_topk.json" \
+        2>&1 | tee "$OUT/step_loss_topk.log" | grep "^|"
+    python3 tools/bench_train_step.py --shape qwen3-0.6b --tokens 8192 --k 0 --out "$OUT/step_loss_dense.json" \
+        2>&1 | tee "$OUT/step_loss_dense.log" | grep "^|" ;;
+  lm_head)  # the fused LM head + KD kernels: correctness on the GPU first, then the benchmark
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_linear_kd_gpu.py 2>&1 | tail -5
+    python3 tools/bench_kernels.py --mode lm_head --out "$OUT/lm_head_tp1.json" > "$OUT/lm_head_tp1.log" 2>&1
+    grep "^|" "$OUT/lm_head_tp1.log" ;;
+  moe)  # a Qwen3-30B-A3B-shaped MoE student with fewer layers at EP=2 (2 GPUs)
+    python3 -m torch.distributed.run --nproc_per_node 2 tools/bench_models.py --moe --layers 8 --seq 4096 \
+        --out "$OUT/moe.json" > "$OUT/moe.log" 2>&1; grep "^|" "$OUT/moe.log" ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

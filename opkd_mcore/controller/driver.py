@@ -1,0 +1,339 @@
+"""The Ray driver of `opkd train ... controller.kind=ray`: one step at a time, the stages overlapped.
+
+    batch t  <- pipeline.take_batch(t)        groups generated (and scored) under the schedule
+    train    <- every trainer rank, at once   teacher rows pulled by the ranks, not through here
+    samples.jsonl, metrics.jsonl              one line per trained / dropped sample; step metrics
+    sync     -> every rollout engine at once  after the step (weight_sync.every_steps)
+    save     -> checkpoint                    with the outstanding prompts (re-queued on --resume)
+
+Runs under a local cluster it starts itself, or attaches to one (`RAY_ADDRESS`, `ray job submit`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, replace
+
+from opkd_mcore.config import dump_config
+from opkd_mcore.config.schema import TrainConfig
+from opkd_mcore.controller.groups import (
+    ActorLost,
+    Gather,
+    StageFailed,
+    TrainerDied,
+    WorkerGroups,
+    await_named,
+)
+from opkd_mcore.controller.schedules import Pipeline, StepWork
+from opkd_mcore.controller.trainer_worker import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+# what a reused `WorkerGroups` was built from: a run on the same actors must not change it (the
+# rollout section's sampling fields are sent with every call and may differ)
+WORKLOAD_SECTIONS = ("model", "parallel", "loss", "teacher", "weight_sync", "optim", "controller")
+ENGINE_ROLLOUT_FIELDS = ("max_model_len", "gpu_memory_utilization", "enforce_eager", "seed")
+
+
+def _sampling(cfg: TrainConfig):
+    from opkd_mcore.rollout import SamplingConfig
+
+    ro = cfg.rollout
+    return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                          max_new_tokens=ro.max_new_tokens)
+
+
+class RayController:
+    """One run on Ray. `groups`: reuse the actors of an earlier run of the same workload (its
+    trainer is reset to the initial checkpoint). `on_event(name, info)` observes the pipeline (tests
+    inject faults through it): "rollout_submitted" {engine, step, prompts}, "rollout_died" {engine,
+    prompts}, "teacher_submitted" {teacher, replica, step, chunk}, "step_done" {step, metrics}."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, export_only: bool = False,
+                 groups: WorkerGroups | None = None, on_event=None):
+        self.cfg, self.resume, self.export_only = cfg, resume or export_only, export_only
+        self.on_event = on_event
+        self.owns_groups = groups is None
+        if groups is not None:
+            changed = [s for s in WORKLOAD_SECTIONS if getattr(groups.cfg, s) != getattr(cfg, s)]
+            changed += [f"rollout.{f}" for f in ENGINE_ROLLOUT_FIELDS
+                        if getattr(groups.cfg.rollout, f) != getattr(cfg.rollout, f)]
+            if changed:
+                raise ValueError(f"groups: built for another workload (sections {changed} differ)")
+        self.groups = groups
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def _data(self):
+        from transformers import AutoTokenizer
+
+        from opkd_mcore.controller.data_plane import PromptQueue
+        from opkd_mcore.data import PromptSampler, build_datasets
+        from opkd_mcore.train.loop import encode_prompts
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.student)
+        train_set, _ = build_datasets(cfg.data)
+        sampler = PromptSampler(len(train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
+                                shuffle=cfg.data.shuffle)
+        def draw(indices, batch):
+            return encode_prompts(cfg, self.tokenizer, train_set, indices, batch)
+
+        return PromptQueue(draw, sampler, len(train_set), cfg.rollout.prompts_per_step)
+
+    def _on_trainers(self, method: str, *args, what: str | None = None) -> list:
+        named = {f"trainer rank {r}": getattr(t, method).remote(*args)
+                 for r, t in enumerate(self.groups.trainers)}
+        try:
+            done = await_named(named, self.cfg.controller.call_timeout_s, what or method)
+        except ActorLost as err:
+            raise self._trainer_died(err) from err
+        return [done[name] for name in named]
+
+    def _on_engines(self, method: str) -> list:
+        named = {f"rollout engine {e}": getattr(r, method).remote()
+                 for e, r in enumerate(self.groups.rollouts)}
+        done = await_named(named, self.cfg.controller.call_timeout_s, f"rollout engines {method}")
+        return [done[name] for name in named]
+
+    def _trainer_died(self, err: Exception) -> TrainerDied:
+        from opkd_mcore.train.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(self.cfg.run.output_dir)
+        return TrainerDied(f"{err}; the run stops. The last complete checkpoint ({last or 'none yet'}) is "
+                           "intact: continue with --resume")
+
+    def _restore(self, queue):
+        from opkd_mcore.train.checkpoint import TrainerState, rollout_version_on_resume
+
+        state = TrainerState()
+        if self.resume:
+            from opkd_mcore.train.checkpoint import latest_checkpoint
+
+            state = TrainerState(**self._on_trainers("load", self.cfg.run.output_dir)[0])
+            queue.load_state_dict(state.sampler)
+            logger.info("resumed from %s (step %d, weight version %d): %d prompts in flight at the "
+                        "checkpoint are generated again", latest_checkpoint(self.cfg.run.output_dir),
+                        state.step, state.weight_version, len(queue.outstanding))
+            # fresh engines hold the initial checkpoint: give them the restored student
+            state.weight_version = rollout_version_on_resume(state, self.cfg.weight_sync.every_steps)
+            if not self.export_only:
+                self.groups.sync(state.weight_version)
+        elif not self.owns_groups:  # a reused trainer starts over from the initial checkpoint
+            self._on_trainers("reset")
+            self.groups.connect_weight_sync()  # the new model's tensors, not the old ones
+            self.groups.sync(0)
+        return state
+
+    # ---- the run ---------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        from opkd_mcore.train.checkpoint import prepare_run_dir
+
+        cfg, out = self.cfg, self.cfg.run.output_dir
+        self.config_yaml = dump_config(cfg)
+        prepare_run_dir(cfg, resume=self.resume and not self.export_only, export_only=self.export_only)
+        queue = self._data()
+        if self.groups is None:
+            from opkd_mcore.config.validate import launch_world_size
+
+            self.groups = WorkerGroups(cfg, launch_world_size(cfg))
+        try:
+            state = self._restore(queue)
+            history = [] if self.export_only else self._train(queue, state)
+            if cfg.checkpoint.export_hf_at_end or self.export_only:
+                self._on_trainers("export_hf", out)
+            return history
+        finally:
+            if self.owns_groups:
+                self.groups.shutdown()
+
+    def _train(self, queue, state) -> list[dict]:
+        from opkd_mcore.train.metrics import MetricsLogger
+        from opkd_mcore.train.samples_log import SamplesLog
+
+        cfg, out = self.cfg, self.cfg.run.output_dir
+        log = MetricsLogger(out, cfg.logging, cfg.run.steps, start_step=state.step)
+        samples_log = SamplesLog(out, start_step=state.step)
+        dump_config(cfg, os.path.join(out, "config.yaml"))
+        self.rewards = None
+        if cfg.loss.task_reward_coef:
+            from opkd_mcore.data.rewards import TaskRewards
+
+            self.rewards = TaskRewards(cfg.data.rewards)
+        pipe = Pipeline(cfg, self.groups, queue, version=state.weight_version, step=state.step,
+                        sampling=_sampling(cfg), on_event=self.on_event)
+        history, ckpt = [], cfg.checkpoint
+        while state.step < cfg.run.steps:
+            step = state.step
+            metrics, records = self._step(pipe, queue, state)
+            samples_log.write(records)
+            log.log(step, metrics)
+            history.append({"step": step, **metrics})
+            if self.on_event:
+                self.on_event("step_done", {"step": step, "metrics": metrics})
+            if ckpt.save_every and state.step % ckpt.save_every == 0:
+                self._save(pipe, queue, state)
+        if ckpt.save_at_end and history and (not ckpt.save_every or state.step % ckpt.save_every):
+            self._save(pipe, queue, state)
+        log.close()
+        return history
+
+    def _save(self, pipe: Pipeline, queue, state) -> None:
+        state.sampler = queue.state_dict()  # the sampler position and every prompt not yet trained
+        refs = {f"trainer rank {r}": t.save.remote(self.cfg.run.output_dir, asdict(state), self.config_yaml,
+                                                  self.cfg.checkpoint.keep_last)
+                for r, t in enumerate(self.groups.trainers)}
+        self._await_pumping(pipe, refs, "checkpoint")
+
+    def _await_pumping(self, pipe: Pipeline, named: dict, what: str, timeout_s: float | None = None) -> dict:
+        """Wait for named calls while the pipeline keeps generating and scoring."""
+        gather = Gather(named, what, timeout_s or self.cfg.controller.call_timeout_s)
+        while not gather.done():
+            gather.take(pipe.pump(also=gather.pending, timeout=min(1.0, gather.remaining())))
+        try:
+            return gather.result()
+        except ActorLost as err:
+            if err.member.startswith("trainer"):
+                raise self._trainer_died(err) from err
+            raise
+
+    # ---- one step --------------------------------------------------------------------------
+    def _step(self, pipe: Pipeline, queue, state):
+        from opkd_mcore.train import stages
+
+        cfg, start = self.cfg, time.perf_counter()
+        step, version_trained = state.step, pipe.version
+        work = pipe.take_batch(step)
+        colocated = self.groups.placement.kind == "colocated"
+        if colocated:  # the engines leave the shared devices to the trainer until the next sync
+            self._on_engines("sleep")
+        batch = self._batch(pipe, work, step)
+        extra = {}
+        if self.rewards is not None:
+            scored = stages.ScoredBatch(samples=batch.samples, teacher=[None] * len(batch.samples))
+            extra = stages.reward_stage(scored, self.rewards, self.tokenizer)
+            batch.task_advantages = scored.task_advantages
+        timings = self._stage_seconds(pipe, work)
+        refs = {f"trainer rank {r}": t.train.remote(batch) for r, t in enumerate(self.groups.trainers)}
+        pipe.progress_since_sync += 1
+        done = self._await_pumping(pipe, refs, f"train step {step}")
+        replies = [done[name] for name in refs]  # rank 0 first: it reports the batch's metrics
+        pipe.handed_over(work)
+        queue.trained([g.job for g in work.groups])
+        records = self._records(step, work, version_trained)
+        state.step += 1
+        sync_s = 0.0
+        if colocated:
+            self._on_engines("wake_up")
+        if state.step % cfg.weight_sync.every_steps == 0 and pipe.progress_since_sync:
+            sync_s = self._sync(pipe, pipe.version + 1)
+        state.weight_version = pipe.version
+        pipe.progress = state.step
+        pipe.release_deferred()
+        step_s = time.perf_counter() - start
+        metrics = {**replies[0].metrics, **extra, **timings}
+        trained = [r for r in records if not r.dropped]
+        lags = [r.version_trained - r.version_generated for r in trained]
+        train_s = max(r.seconds for r in replies)
+        busy = timings["timing/rollout"] + timings["timing/teacher"] + train_s + sync_s
+        metrics.update({
+            "timing/train": train_s,
+            "timing/teacher_fetch": max(r.fetch_seconds for r in replies),
+            "timing/weight_sync": sync_s, "timing/step": step_s,
+            "timing/wait_rollout": work.wait_rollout, "timing/wait_teacher": work.wait_teacher,
+            "timing/wait_train": pipe.take_idle_seconds(),
+            "perf/overlap": 1.0 - step_s / busy if busy > 0 else 0.0,
+            "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(step_s, 1e-9),
+            "rollout/weight_version": float(pipe.version),
+            "async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags)),
+            "async/dropped": float(len(records) - len(trained)),
+            "faults/requeued_prompts": float(pipe.requeued),
+            "faults/rollout_restarts": float(self.groups.restarts["rollout"]),
+            "faults/teacher_restarts": float(self.groups.restarts["teacher"]),
+        })
+        return metrics, records
+
+    def _batch(self, pipe: Pipeline, work: StepWork, step: int) -> TrainBatch:
+        samples, rows, stale = [], [], []
+        for position, (group, is_stale) in enumerate(zip(work.groups, work.stale)):
+            samples += [replace(s, group_id=position) for s in group.samples]
+            rows += group.teacher_rows
+            stale += [is_stale] * len(group.samples)
+        chunks = {c: pipe.chunks[c].rows for c in {r[0] for r in rows if r is not None}}
+        return TrainBatch(step=step, samples=samples, rows=rows, chunks=chunks, stale=stale,
+                          is_truncation=self.cfg.run.is_truncation)
+
+    def _stage_seconds(self, pipe: Pipeline, work: StepWork) -> dict[str, float]:
+        """This batch's rollout and teacher seconds, per engine / per teacher actor (their shares of
+        the calls that served it), for `perf/overlap` = 1 - step / (sum of the stages)."""
+        rollout = sum(g.seconds for g in work.groups) / len(self.groups.rollouts)
+        teacher = 0.0
+        for g in work.groups:
+            for r in g.teacher_rows:
+                if r is not None:
+                    chunk = pipe.chunks[r[0]]
+                    teacher += (chunk.seconds or 0.0) / len(chunk.members)
+        actors = sum(len(a) for a in self.groups.teachers.values())
+        return {"timing/rollout": rollout, "timing/teacher": teacher / max(actors, 1)}
+
+    def _records(self, step: int, work: StepWork, version_trained: int) -> list:
+        from opkd_mcore.train.samples_log import SampleRecord, default_teacher_name
+
+        default = default_teacher_name(self.cfg.teacher.teachers)
+        out = []
+        for group, reason in [*((g, None) for g in work.groups), *work.dropped]:
+            for k, s in enumerate(group.samples):
+                out.append(SampleRecord(
+                    step=step, prompt_index=group.job.prompt_index, epoch=group.job.epoch, sample_index=k,
+                    version_generated=s.weight_version, version_trained=version_trained,
+                    teacher=group.job.data.get("teacher", default), dropped=reason is not None,
+                    reason=reason, token_versions=group.token_versions[k]))
+        return out
+
+    def _sync(self, pipe: Pipeline, version: int) -> float:
+        """Weights to every engine as `version`, generation going on meanwhile (async). A dead engine
+        is brought back and the sync done again; a dead trainer rank stops the run."""
+        start = time.perf_counter()
+        abort = self.cfg.run.in_flight_update == "abort_resume"
+        try:
+            self._await_pumping(pipe, self.groups.start_sync(version, abort),
+                                f"weight sync v{version} over {self.groups.describe_groups()}",
+                                timeout_s=2 * self.cfg.controller.sync_timeout_s)
+        except (ActorLost, StageFailed) as err:
+            logger.warning("controller: %s; rebuilding the weight-sync groups", err)
+            self._on_trainers("close_weight_sync")  # survivors blocked on the old group fail fast
+            for e, actor in enumerate(self.groups.rollouts):
+                self.groups.wait_alive(actor, f"rollout engine {e}")
+            self.groups.connect_weight_sync()
+            self.groups.sync(version)
+        pipe.version, pipe.progress_since_sync = version, 0
+        return time.perf_counter() - start
+
+
+def train_with_ray(cfg: TrainConfig, *, resume: bool = False, export_only: bool = False) -> list[dict]:
+    """`opkd train` with `controller.kind: ray`: attach to the cluster of `RAY_ADDRESS` (as under
+    `ray job submit`), else start a local one that declares enough CPUs for every actor."""
+    import ray
+
+    from opkd_mcore.config.validate import launch_world_size
+    from opkd_mcore.controller.placement import cpus_needed
+
+    started = False
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):  # attach (ray job submit sets it); the cluster has its resources
+            ray.init()
+        else:
+            # a cluster of its own (never another run's), declaring the CPUs the actors reserve:
+            # Ray places by declared resources, not by load
+            ray.init(address="local", include_dashboard=False,
+                     num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(cfg, launch_world_size(cfg)))))
+        started = True
+    try:
+        return RayController(cfg, resume=resume, export_only=export_only).run()
+    except TrainerDied as err:
+        logger.error("%s", err)
+        raise
+    finally:
+        if started:
+            ray.shutdown()

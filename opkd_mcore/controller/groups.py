@@ -1,0 +1,280 @@
+"""The run's actors: trainer ranks, rollout engines and scoring teachers, and how they are wired.
+
+Every multi-party step is started for all its members first and then awaited together, with one
+deadline and an error naming whoever did not finish: the trainer ranks' process group (rank 0
+listens on an OS-given port, then all ranks join), and the weight-sync groups (stage owners bind
+their ports, then the stage owners and every rollout engine's workers join in one call). Nothing is
+left un-awaited, so the init race of seed 003 cannot happen.
+
+Rollout and teacher actors restart on death (`controller.max_restarts`, Ray's actor restarts); the
+driver re-queues their in-flight work and calls `recover_rollout`, which rebuilds the weight-sync
+groups (a group with a dead member is unusable for everyone) and gives the restarted engine the
+current weights. Trainer actors do not restart: their death stops the run (`TrainerDied`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from opkd_mcore.config.schema import TrainConfig
+from opkd_mcore.controller.placement import Placement, teacher_actor_endpoints
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerDied(RuntimeError):
+    """A trainer rank's actor died; the run stops, the last complete checkpoint is intact."""
+
+
+class ActorLost(RuntimeError):
+    """An actor died (`member` names it) and could not be brought back."""
+
+    def __init__(self, message: str, member: str = ""):
+        super().__init__(message)
+        self.member = member
+
+
+class StageFailed(RuntimeError):
+    """A member's call raised; the message names the member and carries the cause's message."""
+
+
+class Gather:
+    """Results of named calls as they arrive; after a failure the rest get `grace_s` to finish
+    (a member's death leaves its peers blocked in collectives: waiting out their deadline helps no one)."""
+
+    def __init__(self, named: dict, what: str, timeout_s: float, grace_s: float = 10.0):
+        self.named, self.what, self.grace_s = named, what, grace_s
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self.pending = list(named.values())
+        self.results: dict = {}
+        self.failures: list[Exception] = []
+
+    def take(self, ready: list) -> None:
+        """Record the calls of `ready` (refs of this gather that have finished)."""
+        import ray
+
+        for name, ref in self.named.items():
+            if ref not in ready or ref not in self.pending:
+                continue
+            self.pending.remove(ref)
+            try:
+                self.results[name] = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                lost = ActorLost(f"{self.what}: {name}: its actor died ({type(err).__name__})", name)
+                lost.__cause__ = err
+                self.failures.insert(0, lost)  # a dead member first: its peers' errors are consequences
+            except ray.exceptions.RayTaskError as err:
+                cause = err.cause if err.cause is not None else err
+                failed = StageFailed(f"{self.what}: {name}: {type(cause).__name__}: {cause}")
+                failed.__cause__ = err
+                self.failures.append(failed)
+            if self.failures:
+                self.deadline = min(self.deadline, time.monotonic() + self.grace_s)
+
+    def remaining(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.0)
+
+    def done(self) -> bool:
+        """True when every call finished, or the deadline passed (then `result` raises)."""
+        return not self.pending or self.remaining() == 0.0
+
+    def result(self) -> dict:
+        if self.failures:
+            first = self.failures[0]
+            if len(self.failures) > 1 and not isinstance(first, ActorLost):  # every member's own words
+                order = list(self.named)
+                def place(line: str) -> int:
+                    return next((i for i, n in enumerate(order) if line.startswith(f"{n}: ")), 0)
+
+                lines = sorted((str(f).removeprefix(f"{self.what}: ") for f in self.failures), key=place)
+                combined = StageFailed(f"{self.what}: {len(lines)} members failed: " + " | ".join(lines))
+                combined.__cause__ = first.__cause__
+                raise combined
+            raise first
+        if self.pending:
+            late = [n for n, r in self.named.items() if r in self.pending]
+            raise TimeoutError(f"{self.what}: {late} did not finish within {self.timeout_s:.0f} s "
+                               f"(finished: {sorted(self.results) or 'none'})")
+        return self.results
+
+
+def await_named(named: dict, timeout_s: float, what: str) -> dict:
+    """Wait for named object refs together; errors name the member that failed or did not finish."""
+    import ray
+
+    gather = Gather(named, what, timeout_s)
+    while not gather.done():
+        ready, _ = ray.wait(gather.pending, num_returns=1, timeout=gather.remaining(), fetch_local=False)
+        gather.take(ready)
+    return gather.result()
+
+
+def is_actor_death(err: BaseException) -> bool:
+    import ray
+
+    return isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+
+
+class WorkerGroups:
+    """Creates and owns the actors of one run (reusable across runs of the same workload)."""
+
+    def __init__(self, cfg: TrainConfig, world_size: int):
+        import ray
+
+        from opkd_mcore.controller.engine_workers import RolloutEngineWorker, TeacherWorker
+        from opkd_mcore.controller.trainer_worker import TrainerWorker
+        from opkd_mcore.train.components import student_vocab_size
+
+        self.cfg, self.world_size = cfg, world_size
+        ctl = cfg.controller
+        self.placement = Placement(cfg, world_size, timeout_s=ctl.call_timeout_s)
+        device = cfg.run.device
+        trainer_cls = ray.remote(max_restarts=0)(TrainerWorker)
+        self.trainers = [trainer_cls.options(**slot.actor_options(device)).remote(cfg, rank, world_size)
+                         for rank, slot in enumerate(self.placement.trainer)]
+        # a few threads: a weight update arrives while a generate call runs (the worker's gate orders them)
+        rollout_cls = ray.remote(max_restarts=ctl.max_restarts, max_concurrency=4)(RolloutEngineWorker)
+        self.rollouts = [rollout_cls.options(**slot.actor_options(device)).remote(cfg, e)
+                         for e, slot in enumerate(self.placement.rollout)]
+        teacher_cls = ray.remote(max_restarts=ctl.max_restarts)(TeacherWorker)
+        vocab = student_vocab_size(cfg)
+        self.teachers: dict[str, list] = {}
+        for (endpoint, url), slot in zip(teacher_actor_endpoints(cfg), self.placement.teachers):
+            actor = teacher_cls.options(**slot.actor_options(device)).remote(cfg, endpoint.name, url, vocab)
+            self.teachers.setdefault(endpoint.name, []).append(actor)
+        self.restarts = {"rollout": 0, "teacher": 0}
+        self.sync_groups: list[dict] = []
+        self._start()
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def _start(self) -> None:
+        import ray
+
+        timeout = self.cfg.controller.call_timeout_s
+        host, port = ray.get(self.trainers[0].listen.remote(), timeout=timeout)
+        named = {f"trainer rank {r} setup": t.setup.remote(host, port) for r, t in enumerate(self.trainers)}
+        named.update({f"rollout engine {e} start": r.ping.remote() for e, r in enumerate(self.rollouts)})
+        named.update({f"teacher {n}[{i}] start": a.ping.remote()
+                      for n, actors in self.teachers.items() for i, a in enumerate(actors)})
+        await_named(named, timeout, "controller start-up")
+        self.connect_weight_sync()
+        logger.info("controller: %d trainer ranks, %d rollout engines, teachers %s (%s placement)",
+                    len(self.trainers), len(self.rollouts),
+                    {n: len(a) for n, a in self.teachers.items()}, self.placement.kind)
+
+    @property
+    def workers_per_engine(self) -> int:
+        return self.cfg.controller.rollout_tp
+
+    def transport(self) -> str:
+        """`weight_sync.transport` with "auto" resolved: device IPC when the engines share the
+        trainer's device (colocated, accelerator); the stateless group everywhere else."""
+        from opkd_mcore.platform import is_cpu
+
+        name = self.cfg.weight_sync.transport
+        if name != "auto":
+            return name
+        one_device = self.placement.kind == "colocated" and len(self.rollouts) == 1
+        return "colocated_ipc" if one_device and not is_cpu(self.cfg.run.device) else "group"
+
+    def _sync_host(self) -> str | None:
+        import ray
+
+        host = self.cfg.weight_sync.host
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        return None if host == "127.0.0.1" and len(alive) > 1 else host  # None: the stage owner's node
+
+    def connect_weight_sync(self) -> None:
+        """(Re)build the weight-sync groups: bind on the trainer ranks, then every member joins at once."""
+        ctl, tp = self.cfg.controller, self.workers_per_engine
+        transport = self.transport()
+        receivers = len(self.rollouts) * tp
+        bound = await_named({f"trainer rank {r} bind": t.bind_weight_sync.remote(self._sync_host(), receivers,
+                                                                                   transport)
+                             for r, t in enumerate(self.trainers)}, ctl.sync_timeout_s, "weight-sync bind")
+        self.sync_groups = bound["trainer rank 0 bind"]
+        named = {f"trainer rank {r} joins": t.connect_weight_sync.remote()
+                 for r, t in enumerate(self.trainers)}
+        for e, r in enumerate(self.rollouts):
+            named[f"rollout engine {e} joins (group ranks {1 + e * tp}..{(e + 1) * tp})"] = \
+                r.join_weight_sync.remote(self.sync_groups, 1 + e * tp, transport)
+        await_named(named, ctl.sync_timeout_s, f"weight-sync groups {self.describe_groups()}")
+
+    def describe_groups(self) -> str:
+        return ", ".join(f"stage {s} at {g['host']}:{g['port']}" for s, g in enumerate(self.sync_groups))
+
+    # ---- weight sync ---------------------------------------------------------------------------
+    def start_sync(self, version: int, abort_in_flight: bool = False) -> dict:
+        """Every engine's receive and every trainer rank's send, started together (await them together)."""
+        tp = self.workers_per_engine
+        named = {f"rollout engine {e} (group ranks {1 + e * tp}..{(e + 1) * tp}) receives v{version}":
+                 r.receive_weights.remote(version, abort_in_flight) for e, r in enumerate(self.rollouts)}
+        named.update({f"trainer rank {r} sends v{version}": t.sync_weights.remote(version)
+                      for r, t in enumerate(self.trainers)})
+        return named
+
+    def sync(self, version: int, abort_in_flight: bool = False) -> float:
+        """Move the trainer's weights to every engine as `version`; returns the slowest sender's seconds."""
+        timeout = 2 * self.cfg.controller.sync_timeout_s  # the transports time out first, with details
+        done = await_named(self.start_sync(version, abort_in_flight), timeout,
+                           f"weight sync v{version} over {self.describe_groups()}")
+        return max(v for k, v in done.items() if k.startswith("trainer"))
+
+    # ---- faults --------------------------------------------------------------------------------
+    def wait_alive(self, actor, what: str) -> None:
+        """Block until a (restarting) actor answers; ActorLost when its restarts are used up."""
+        import ray
+
+        limit = self.cfg.controller.call_timeout_s
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                ray.get(actor.ping.remote(), timeout=max(deadline - time.monotonic(), 0))
+                return
+            except ray.exceptions.ActorUnavailableError:  # restarting: its constructor runs again
+                if time.monotonic() > deadline:
+                    raise ActorLost(f"{what} did not restart within {limit:.0f} s", what) from None
+                time.sleep(1.0)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                restarts = self.cfg.controller.max_restarts
+                raise ActorLost(f"{what} did not come back (controller.max_restarts = {restarts}): "
+                                f"{type(err).__name__}: {err}", what) from err
+
+    def recover_rollout(self, engine: int, weights_ahead: bool, version: int) -> int:
+        """After engine `engine` died: wait for its restart, rebuild the groups, sync the trainer's
+        weights to every engine. Returns the version the engines now hold: `version`, or `version + 1`
+        when the trainer has trained past it (`weights_ahead`), so that labels stay true."""
+        self.restarts["rollout"] += 1
+        start = time.perf_counter()
+        self.wait_alive(self.rollouts[engine], f"rollout engine {engine}")
+        self.connect_weight_sync()
+        new_version = version + 1 if weights_ahead else version
+        self.sync(new_version)
+        logger.warning("controller: rollout engine %d restarted and resynced to v%d in %.1f s", engine,
+                       new_version, time.perf_counter() - start)
+        return new_version
+
+    def recover_teacher(self, name: str, replica: int) -> None:
+        self.restarts["teacher"] += 1
+        self.wait_alive(self.teachers[name][replica], f"teacher {name}[{replica}]")
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Release every actor and placement group (a second call does nothing)."""
+        import ray
+
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
+        actors = [*self.trainers, *self.rollouts, *(a for v in self.teachers.values() for a in v)]
+        refs = []
+        for actor in actors:
+            try:
+                refs.append(actor.shutdown.remote())
+            except Exception as err:  # noqa: BLE001  (an actor already gone has nothing to release)
+                logger.debug("shutdown of %s skipped: %s", actor, err)
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+        for actor in actors:
+            ray.kill(actor)
+        self.placement.remove()

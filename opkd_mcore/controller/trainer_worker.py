@@ -1,0 +1,211 @@
+"""The trainer group's actor: one Megatron rank of the student.
+
+It runs the code of the torchrun path: `train.components` builds the student (and an in-step Megatron
+teacher) and `train.stages.train_stage` takes the optimizer step, so both launches train the same way.
+The ranks form their own `torch.distributed` group: rank 0 serves the store on a port the OS gives
+it (`listen`), and every rank then joins in one `setup` call that the driver awaits for all ranks
+together. Teacher rows arrive as object references and each rank pulls only the rows it uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer step's input, as the driver sends it (teacher rows stay in the object store)."""
+
+    step: int
+    samples: list  # list[Sample], prompt-major; group_id = the prompt's place in this batch
+    rows: list  # per sample: (chunk id, row in chunk), or None when the teacher scores in the step
+    chunks: dict = field(default_factory=dict)  # chunk id -> ObjectRef of list[TeacherOutput]
+    stale: list = field(default_factory=list)  # per sample: past run.max_staleness (truncated_is)
+    task_advantages: list | None = None  # per sample (GRPO), computed by the driver
+    is_truncation: float = 2.0  # cap of the importance weights of stale samples (run.is_truncation)
+
+
+@dataclass
+class TrainReply:
+    metrics: dict
+    seconds: float  # the optimizer step
+    fetch_seconds: float  # pulling teacher rows from the object store
+
+
+class WeightSyncError(RuntimeError):
+    """A weight transfer failed or timed out; the message names the group, the ranks and the bucket."""
+
+
+def _bucket_in_flight(sender, sent: int) -> str:
+    """Which bucket a stage sender was moving when it stopped, from the bytes it had started."""
+    done, started = 0, 0
+    for bucket in sender.buckets:
+        if done + bucket.nbytes > sent:
+            break
+        done += bucket.nbytes
+        started += 1
+    if started == 0:
+        return f"before bucket 0 of {len(sender.buckets)} (plan handshake)"
+    bucket = sender.buckets[started - 1]
+    return f"bucket {bucket.index} ({started} of {len(sender.buckets)} started, {sent} bytes)"
+
+
+class TrainerWorker:
+    """Body of one trainer actor (made remote by `controller.groups`)."""
+
+    def __init__(self, cfg, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        # each actor sees only its own device(s): the local rank is 0
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        self._store = None
+        self.weight_sync = None
+
+    # ---- process group -----------------------------------------------------------------------
+    def listen(self) -> tuple[str, int]:
+        """Rank 0: serve the group's store on a port the OS picks (no pick-then-bind race)."""
+        import ray
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=self.cfg.controller.call_timeout_s))
+        return host, self._store.port
+
+    def setup(self, host: str, port: int) -> dict:
+        """Join the trainer group and build this rank's student (collective: all ranks at once)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from opkd_mcore.platform import collective_backend
+        from opkd_mcore.train import components as c
+
+        cfg = self.cfg
+        c.check_loss_impl(cfg)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
+        timeout = timedelta(seconds=cfg.controller.call_timeout_s)
+        store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(collective_backend(cfg.run.device), store=store, rank=self.rank,
+                                world_size=self.world_size, timeout=timeout)
+        c.init_distributed(cfg)  # Megatron groups, seeds, CPU emulation (the process group exists)
+        # built exactly as a torchrun rank is (in-step teacher, hidden-state teacher head, MoE loss)
+        self.engine, self.chunks, self.shard, self.tp_group = c.build_trainer_rank(cfg)
+        return {"rank": self.rank, "dp_rank": self.shard.dp_rank, "tp_rank": self.shard.tp_rank,
+                "pp_rank": ps.get_pipeline_model_parallel_rank()}
+
+    def reset(self) -> None:
+        """A fresh student (weights and optimizer) from the initial checkpoint: benchmarks start every
+        schedule there."""
+        from opkd_mcore.train import components as c
+
+        self.close_weight_sync()  # its plan reads the old model's tensors; the driver binds anew
+        self.engine, self.chunks, self.shard, self.tp_group = c.build_trainer_rank(self.cfg)
+
+    # ---- weight sync -------------------------------------------------------------------------
+    def bind_weight_sync(self, host: str | None, num_receivers: int, transport: str) -> list[dict]:
+        """Stage owners hold their group ports (collective over the trainer ranks); returns the groups.
+        `host` None: this node's address (the engines may be on other nodes)."""
+        import ray
+
+        from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
+
+        self.close_weight_sync()  # a rebuilt group (after an engine restart) replaces the old one
+        ws, ctl = self.cfg.weight_sync, self.cfg.controller
+        groups = SyncGroupsConfig(host=host or ray.util.get_node_ip_address(), base_port=0,
+                                  num_receivers=num_receivers, timeout_s=ctl.sync_timeout_s,
+                                  bucket_bytes=ws.bucket_mb << 20, transport=transport)
+        self.weight_sync = MegatronWeightSync(self.chunks, groups)
+        return [dataclasses.asdict(g) for g in self.weight_sync.bind()]
+
+    def connect_weight_sync(self) -> None:
+        self.weight_sync.connect()
+
+    def sync_weights(self, version: int) -> float:
+        """Export and send this rank's stage as `version`; returns seconds. Errors name the bucket."""
+        start = time.perf_counter()
+        sender = self.weight_sync.sender
+        sent_before = sender.stats.bytes_sent if sender is not None else 0
+        try:
+            self.weight_sync.sync(version)
+        except Exception as err:
+            where = "a TP peer of the sender"
+            if sender is not None:
+                g = sender.transport.cfg
+                where = (f"group {g.host}:{g.port} (stage {sender.stage}, group ranks 0..{g.world_size - 1}: "
+                         f"sender = trainer rank {self.rank}), "
+                         f"{_bucket_in_flight(sender, sender.stats.bytes_sent - sent_before)}")
+            raise WeightSyncError(f"weight sync v{version} failed on trainer rank {self.rank}: {where}: "
+                                  f"{type(err).__name__}: {err}") from err
+        return time.perf_counter() - start
+
+    def close_weight_sync(self) -> None:
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None
+
+    # ---- training ----------------------------------------------------------------------------
+    def _rows_needed(self, total: int) -> range | list:
+        """Rows this rank reads: all on rank 0 (it reports the batch's metrics) or with TCAD weights
+        (softmax over whole groups); its DP slice on the last stage; none on other stages."""
+        if self.rank == 0 or self.cfg.loss.confidence_alpha:
+            return range(total)
+        if not self.engine.is_last_stage:
+            return []
+        per = total // self.shard.dp_size
+        return range(self.shard.dp_rank * per, (self.shard.dp_rank + 1) * per)
+
+    def train(self, batch: TrainBatch) -> TrainReply:
+        import ray
+
+        from opkd_mcore.controller.importance import truncated_is_weights
+        from opkd_mcore.train import stages
+        from opkd_mcore.train.loop import rollout_metrics
+
+        start = time.perf_counter()
+        rows = [None] * len(batch.samples)
+        needed = [i for i in self._rows_needed(len(batch.samples)) if batch.rows[i] is not None]
+        chunk_ids = sorted({batch.rows[i][0] for i in needed})
+        fetched = dict(zip(chunk_ids, ray.get([batch.chunks[c] for c in chunk_ids])))
+        for i in needed:
+            chunk, row = batch.rows[i]
+            rows[i] = fetched[chunk][row]
+        fetch_s = time.perf_counter() - start
+        scored = stages.ScoredBatch(samples=batch.samples, teacher=rows,
+                                    task_advantages=batch.task_advantages)
+        weights, extra = None, {}
+        if any(batch.stale):
+            weights, extra = truncated_is_weights(self.engine, batch.samples, batch.stale, self.cfg.parallel,
+                                                  self.shard, batch.is_truncation)
+        result = stages.train_stage(self.engine, scored, self.cfg.loss, self.cfg.parallel, self.shard,
+                                    self.tp_group, sequence_weights=weights)
+        metrics = {**result.metrics, **extra}
+        if self.rank == 0:
+            metrics.update(rollout_metrics(scored))
+        return TrainReply(metrics=metrics, seconds=result.seconds, fetch_seconds=fetch_s)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self, out: str, state: dict, config_yaml: str, keep_last: int) -> str:
+        from opkd_mcore.train.checkpoint import TrainerState, save_checkpoint
+
+        return save_checkpoint(out, self.engine, TrainerState(**state), config_yaml, keep_last)
+
+    def load(self, out: str) -> dict:
+        from opkd_mcore.train.checkpoint import load_checkpoint, require_checkpoint
+
+        return dataclasses.asdict(load_checkpoint(require_checkpoint(out), self.engine))
+
+    def export_hf(self, out: str) -> None:
+        from opkd_mcore.models import save_hf_checkpoint
+
+        save_hf_checkpoint(self.chunks, os.path.join(out, "student_hf"), src_hf_dir=self.cfg.model.student)
+
+    def shutdown(self) -> None:
+        from opkd_mcore.platform.parallel import destroy_parallel
+
+        self.close_weight_sync()
+        destroy_parallel(destroy_process_group=True)

@@ -1,0 +1,180 @@
+"""The fused LM-head loss: `kd_loss` of the logits `hidden @ weight.T`, without the logits.
+
+    per_token = linear_kd_loss(hidden [N, H], weight [V_local, H], teacher, **kd_loss keywords)
+
+`teacher` is a `TopKTeacher` (ids + logprobs) or a `HiddenTeacher` (teacher hidden states
+`[N, H_t]` + its output-weight shard `[V_local, H_t]`: exact dense KD; its `vocab_size`, if set, is
+the default `teacher_vocab_end`). Every option of `kd_loss`
+(divergence, beta, temperature, support, k, mass, coverage_coef, tp_group) has its meaning there;
+the contract is "materialise the logits, call kd_loss" (`materialised_linear_kd_loss`, which is also
+the `impl="reference"` path, the tests' oracle and the benchmarks' unfused baseline).
+
+Gradients reach `hidden` (this TP rank's partial: the caller's Megatron TP region sums it over the
+group, as for `ColumnParallelLinear`) and `weight`. `vocab_end` / `teacher_vocab_end`: global
+vocabulary sizes; columns at or past them (padding of the last TP shard) get the logit -1e4, as the
+trainer writes into materialised logits, and no gradient.
+
+Dispatch (`impl`): "auto" / "fused" pick the Triton tiles where `platform.triton_kernels_usable`,
+else the chunked torch twin (its C++ primitives on CPU when built); "triton" / "cpp" / "torch"
+force one; "reference" materialises. float64 inputs take the reference path under "auto".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from opkd_mcore.losses import validation
+from opkd_mcore.losses import vocab_parallel as vp
+from opkd_mcore.losses.kd_loss import kd_loss
+from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, TopKTeacher
+from opkd_mcore.platform import device as platform_device
+
+IMPLS = ("auto", "reference", "fused", "triton", "cpp", "torch")
+COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PADDED_LOGIT = -1.0e4   # = opkd_kernels.linear_kd_common.PAD_LOGIT = train.engine.PADDED_VOCAB_LOGIT
+
+
+@dataclass(frozen=True)
+class LinearKDStats:
+    """Per-token by-products for logging (tensors, no host sync): Σ_S p and Σ_S q (1 for the full
+    vocabulary), the global log-partitions `lse [N, 2]` (student, teacher; NaN where the teacher's
+    values are), and the dense teacher's top-1 id `[N]` (-1 for a top-k teacher)."""
+
+    teacher_mass: torch.Tensor
+    student_mass: torch.Tensor
+    lse: torch.Tensor
+    teacher_top1: torch.Tensor
+
+
+def engine_name(hidden: torch.Tensor, impl: str = "auto") -> str | None:
+    """The engine `impl` uses for `hidden` ("triton" | "cpp" | "torch"), or None (reference path)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if impl == "reference" or hidden.dtype not in COVERED_DTYPES:
+        return None
+    if impl in ("triton", "cpp", "torch"):
+        return impl
+    if platform_device.triton_kernels_usable(hidden):
+        return "triton"
+    if hidden.device.type == "cpu":
+        from opkd_kernels import cpu_backend
+
+        if cpu_backend.available():
+            return "cpp"
+    return "torch"
+
+
+def _vocab_end(vocab_end: int | None, v_local: int, group) -> int | None:
+    """A global vocabulary size -> this shard's first padding column (None: no padding)."""
+    if vocab_end is None:
+        return None
+    return max(0, min(v_local, vocab_end - vp.shard_offset(v_local, group)))
+
+
+def _check(hidden, weight, teacher, *, k, tp_group, validate, opts, impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if not isinstance(teacher, (HiddenTeacher, TopKTeacher)):
+        raise ValueError(f"teacher: expected HiddenTeacher or TopKTeacher, got {type(teacher).__name__}")
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_floating_point()):
+            raise ValueError(f"{name}: expected a floating 2-D tensor, got {validation._describe(x)}")
+    if weight.shape[1] != hidden.shape[1] or weight.dtype != hidden.dtype:
+        raise ValueError(f"weight: expected a {hidden.dtype} tensor [V_local, H={hidden.shape[1]}], got "
+                         f"{validation._describe(weight)}")
+    n, v_local = hidden.shape[0], weight.shape[0]
+    as_logits = torch.empty((n, v_local), device="meta", dtype=hidden.dtype)
+    stand_in = teacher
+    if isinstance(teacher, HiddenTeacher):
+        th, tw = teacher.hidden, teacher.weight
+        if not (isinstance(th, torch.Tensor) and th.dim() == 2 and th.shape[0] == n and th.dtype == hidden.dtype):
+            raise ValueError(f"teacher.hidden: expected a {hidden.dtype} tensor [N={n}, H_t], got "
+                             f"{validation._describe(th)}")
+        if not (isinstance(tw, torch.Tensor) and tuple(tw.shape) == (v_local, th.shape[1]) and tw.dtype == hidden.dtype):
+            raise ValueError(f"teacher.weight: expected a {hidden.dtype} tensor of shape {(v_local, th.shape[1])} "
+                             f"(sharded like the student's weight), got {validation._describe(tw)}")
+        stand_in = DenseTeacher(as_logits)
+    validation.check_options(stand_in, impl="auto", **opts)
+    tp = vp.group_size(tp_group)
+    validation.check_shapes(as_logits, stand_in, k=k, tp_size=tp)
+    if validate:
+        if isinstance(teacher, TopKTeacher):
+            validation.check_values(teacher, vocab=v_local * tp)
+        elif torch.isnan(teacher.hidden).any():
+            raise ValueError("teacher.hidden: expected no NaN, found one")
+
+
+def _masked_logits(x, w, vocab_end, tp_group):
+    z = x @ w.T
+    local_end = _vocab_end(vocab_end, w.shape[0], tp_group)
+    if local_end is not None and local_end < w.shape[0]:
+        with torch.no_grad():   # as the trainer masks materialised logits: constants, in place
+            z[:, local_end:] = PADDED_LOGIT
+    return z
+
+
+@torch.no_grad()
+def hidden_teacher_logits(teacher: HiddenTeacher, tp_group=None, vocab_end: int | None = None,
+                          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Materialised `[N, V_local]` logits of a `HiddenTeacher` (ids past its vocab_size: -1e4)."""
+    end = teacher.vocab_size if vocab_end is None else vocab_end
+    w = teacher.weight if dtype is None else teacher.weight.to(dtype)
+    return _masked_logits(teacher.hidden.to(w.dtype), w, end, tp_group)
+
+
+def materialised_linear_kd_loss(hidden, weight, teacher, *, vocab_end=None, teacher_vocab_end=None,
+                                tp_group=None, impl="reference", **kd):
+    """The unfused path: logits `hidden @ weight.T` (padding columns -1e4), then `kd_loss`."""
+    if isinstance(teacher, HiddenTeacher):
+        teacher = DenseTeacher(hidden_teacher_logits(teacher, tp_group, teacher_vocab_end))
+    return kd_loss(_masked_logits(hidden, weight, vocab_end, tp_group), teacher, tp_group=tp_group,
+                   impl=impl, **kd)
+
+
+def linear_kd_loss(hidden, weight, teacher, **kwargs) -> torch.Tensor:
+    """Per-token loss `[N]` float32 (float64 for float64 inputs); see the module docstring."""
+    return linear_kd_loss_with_stats(hidden, weight, teacher, **kwargs)[0]
+
+
+def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teacher, *,
+                              divergence: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
+                              support: str | None = None, k: int | None = None, mass: str = "renorm",
+                              coverage_coef: float = 0.0, tp_group=None, impl: str = "auto",
+                              validate: bool = True, vocab_end: int | None = None,
+                              teacher_vocab_end: int | None = None, engine=None):
+    """`(per-token loss [N], LinearKDStats | None)`; stats are None on the reference path.
+
+    `engine`: an `opkd_kernels` engine object overriding `impl` (tests and benchmarks set block sizes)."""
+    opts = dict(divergence=divergence, beta=beta, temperature=temperature, support=support, k=k, mass=mass,
+                coverage_coef=coverage_coef)
+    _check(hidden, weight, teacher, k=k, tp_group=tp_group, validate=validate, opts=opts, impl=impl)
+    if isinstance(teacher, HiddenTeacher) and teacher_vocab_end is None:
+        teacher_vocab_end = teacher.vocab_size
+    name = engine or engine_name(hidden, impl)
+    if name is None:
+        if impl not in ("auto", "reference"):
+            raise ValueError(f"impl: {impl!r} was requested but the fused LM-head kernels take {COVERED_DTYPES}, "
+                             f"got {hidden.dtype}")
+        loss = materialised_linear_kd_loss(hidden, weight, teacher, vocab_end=vocab_end,
+                                           teacher_vocab_end=teacher_vocab_end, tp_group=tp_group, **opts)
+        return loss, None
+    from opkd_kernels.fused_linear_kd import KdSpec, fused_linear_kd_loss
+
+    v_local = weight.shape[0]
+    spec = KdSpec(divergence=divergence, beta=float(beta), temperature=float(temperature), support=support, k=k,
+                  mass=mass, coverage_coef=float(coverage_coef))
+    dense = isinstance(teacher, HiddenTeacher)
+    ids = logprobs = None
+    if not dense:
+        from opkd_mcore.losses.kd_loss import select_support
+
+        # the same choice of ids as kd_loss (top-k of a wider teacher, ties)
+        ids, logprobs, _ = select_support(None, teacher, support=support, k=k, group=tp_group)
+    out = fused_linear_kd_loss(
+        hidden, weight, teacher.hidden.detach() if dense else None, teacher.weight.detach() if dense else None,
+        ids, logprobs, spec=spec, tp_group=tp_group, backend=name,
+        student_vocab_end=_vocab_end(vocab_end, v_local, tp_group),
+        teacher_vocab_end=_vocab_end(teacher_vocab_end, v_local, tp_group), return_stats=True)
+    loss, teacher_mass, student_mass, lse, top1 = out
+    return loss, LinearKDStats(teacher_mass, student_mass, lse, top1)

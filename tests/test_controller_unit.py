@@ -1,0 +1,287 @@
+"""The Ray controller's bookkeeping without a cluster: config checks, the exactly-once prompt queue
+(draw, hand back, checkpoint, restore), the async staleness policy, samples.jsonl and its audit,
+hang messages, and the truncated importance weights on a real Megatron student (one gloo rank)."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from opkd_mcore.config import ConfigError, load_config
+from opkd_mcore.controller.data_plane import GroupResult, PromptQueue
+from opkd_mcore.data import PromptSampler
+from opkd_mcore.rollout import Sample
+from opkd_mcore.train.samples_log import SamplesLog, audit, batch_records, draw_epochs, read_samples
+from opkd_mcore.train.stages import PromptBatch
+
+BASE = ["model.student=Qwen/Qwen3-0.6B", "teacher.teachers.0.model=Qwen/Qwen3-0.6B", "loss.support=teacher",
+        "parallel.global_batch_size=8"]
+
+
+def _cfg(*overrides):
+    return load_config(None, BASE + list(overrides), check_files=False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["run.schedule=async"], "^run.schedule: 'async' .* needs controller.kind: ray"),
+    (["run.schedule=one_step_off", "controller.kind=ray", "controller.placement=colocated"],
+     "^controller.placement: colocated"),
+    (["run.in_flight_update=abort_resume", "controller.kind=ray"], "^run.in_flight_update: only the async"),
+    (["run.schedule=async", "controller.kind=ray", "weight_sync.every_steps=2"], "^weight_sync.every_steps"),
+    (["run.max_staleness=-1"], "^run.max_staleness: expected >= 0"),
+    (["run.is_truncation=0.5"], "^run.is_truncation: expected >= 1"),
+    (["run.stale_policy=clip"], "^run.stale_policy: expected one of"),
+    (["controller.kind=slurm"], "^controller.kind: expected one of"),
+    (["controller.kind=ray", "controller.rollout_engines=0"], "^controller.rollout_engines: expected > 0"),
+    (["controller.kind=ray", "weight_sync.transport=colocated_ipc"], "^weight_sync.transport: colocated_ipc"),
+    (["controller.kind=ray", "controller.placement=colocated", "controller.rollout_engines=2"],
+     "^controller.rollout_engines: colocated engines"),
+])
+def test_schedule_and_controller_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(*overrides)
+
+
+def test_ray_world_is_one_model_parallel_replica_unless_set():
+    from opkd_mcore.config.validate import launch_world_size
+
+    assert launch_world_size(_cfg("controller.kind=ray", "parallel.tp=2")) == 2
+    four = _cfg("controller.kind=ray", "parallel.world_size=4", "parallel.micro_batch_size=2")
+    assert launch_world_size(four) == 4
+    for schedule in ("one_step_off", "two_step_off", "async"):
+        assert _cfg("controller.kind=ray", f"run.schedule={schedule}").run.schedule == schedule
+
+
+# ---------------------------------------------------------------- the prompt queue
+def _queue(size=7, batch=3, seed=0):
+    def draw(indices, number):  # seeds like train.loop.encode_prompts: (draw number, position)
+        return PromptBatch(indices=list(indices), prompt_ids=[[1, 3 + i] for i in indices],
+                           data=[{"i": i} for i in indices],
+                           seeds=[1000 * number + j for j in range(len(indices))])
+
+    return PromptQueue(draw, PromptSampler(size, batch, seed=seed), size, batch)
+
+
+def test_queue_draws_in_sampler_order_and_hands_back_first():
+    queue, reference = _queue(), PromptSampler(7, 3, seed=0)
+    first = queue.take(2)
+    second = queue.take(2)  # one left over from the first draw, then a new draw
+    expected = reference.next_batch() + reference.next_batch()
+    assert [j.prompt_index for j in first + second] == expected[:4]
+    assert [(j.batch, j.position, j.seed) for j in first + second] == \
+           [(0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 0, 1000)]
+    queue.requeue(first[1:])  # dropped as stale: served before anything else, with its seed
+    again = queue.take(2)
+    assert again[0] is first[1] and again[1].prompt_index == expected[4]
+    queue.trained([first[0], *second])
+    with pytest.raises(RuntimeError, match="handed to the trainer twice"):
+        queue.trained([first[0]])
+    with pytest.raises(RuntimeError, match="not outstanding"):
+        queue.requeue([first[0]])
+
+
+def test_queue_checkpoint_restores_outstanding_prompts_exactly_once():
+    queue = _queue()
+    taken = queue.take(5)  # prompts 0..4 of the draw order are in flight
+    queue.trained(taken[:2])
+    queue.requeue([taken[3]])  # handed back: waits, still outstanding
+    state = json.loads(json.dumps(queue.state_dict()))  # what trainer_state.json holds
+    assert {"epoch", "position"} <= set(state)  # PromptSampler's own keys stay readable
+
+    restored = _queue()
+    restored.load_state_dict(state)
+    assert [(j.prompt_index, j.seed) for j in restored.outstanding.values()] == \
+           [(j.prompt_index, j.seed) for j in taken[2:]] + [(queue.outstanding[k].prompt_index,
+                                                              queue.outstanding[k].seed)
+                                                             for k in list(queue.outstanding)[3:]]
+    # run both to the end of 3 epochs: the restored queue trains exactly what the original would
+    def drain(q, count):
+        out = []
+        while len(out) < count:
+            jobs = q.take(1)
+            q.trained(jobs)
+            out.append(jobs[0].key)
+        return out
+
+    trained_before = [j.key for j in taken[:2]]
+    rest = drain(restored, 3 * 7 - 2)
+    everything = trained_before + rest
+    for epoch in range(3):
+        assert sorted(p for e, p in everything if e == epoch) == list(range(7))
+    assert len(set(everything)) == len(everything)
+
+
+def test_batch_queue_restores_the_drawn_batch_whole():
+    queue = _queue(size=9, batch=3)
+    first, second = queue.next_batch(), queue.next_batch()  # one_step_off: batch 1 in flight at the save
+    queue.trained(first)
+    restored = _queue(size=9, batch=3)
+    restored.load_state_dict(queue.state_dict())
+    assert restored.next_batch_number() == 1
+    again = restored.next_batch()
+    assert [(j.prompt_index, j.batch, j.position, j.seed) for j in again] == \
+           [(j.prompt_index, j.batch, j.position, j.seed) for j in second]
+    assert restored.next_batch_number() == 2 and restored.next_batch()[0].batch == 2
+
+
+# ---------------------------------------------------------------- the async staleness policy
+def _group(queue, version):
+    job = queue.take(1)[0]
+    samples = [Sample(prompt_ids=job.prompt_ids, response_ids=[5], response_logprobs=[-1.0],
+                      finish_reason="stop", weight_version=version, group_id=0, data=job.data)
+               for _ in range(2)]
+    return GroupResult(job=job, samples=samples, token_versions=[None, None], seconds=0.1,
+                       teacher_rows=[None, None])
+
+
+@pytest.mark.parametrize("policy", ["drop", "truncated_is"])
+def test_async_batch_drops_or_flags_groups_past_the_bound(policy):
+    from opkd_mcore.controller.schedules import Pipeline
+
+    cfg = _cfg("controller.kind=ray", "run.schedule=async", "run.max_staleness=1",
+               f"run.stale_policy={policy}", "rollout.prompts_per_step=2", "parallel.global_batch_size=4")
+    queue = _queue(size=10, batch=2)
+    groups = SimpleNamespace(rollouts=[object()], teachers={})
+    pipe = Pipeline(cfg, groups, queue, version=3, step=3, sampling=None)
+    pipe.policy.admit = lambda p: None  # nothing new starts: the groups below are all there is
+    made = [_group(queue, v) for v in (1, 3, 2)]
+    for g in made:
+        pipe.done[g.job.key] = g
+    pipe.in_flight = len(made)
+    work = pipe.take_batch(3)
+    if policy == "drop":
+        assert work.groups == made[1:] and work.stale == [False, False]
+        (group, reason), = work.dropped
+        assert group is made[0] and reason == "stale: generated with v1, trainer at v3 (run.max_staleness 1)"
+        assert queue.take(1)[0] is made[0].job  # generated again before anything new
+    else:
+        assert work.groups == made[:2] and work.stale == [True, False] and not work.dropped
+
+
+# ---------------------------------------------------------------- samples.jsonl
+def test_samples_log_audit_and_resume_truncation(tmp_path):
+    samples = [Sample(prompt_ids=[1], response_ids=[2], response_logprobs=[-1.0], finish_reason="stop",
+                      weight_version=0, group_id=g, data={"teacher": "math"} if g else {})
+               for g in (0, 0, 1, 1)]
+    assert draw_epochs({"epoch": 2, "position": 5}, 6, 3) == [2, 3, 3]
+    log = SamplesLog(str(tmp_path))
+    log.write(batch_records(0, [4, 5], [0, 1], samples, 1, "default"))
+    log.write(batch_records(1, [0, 1], [1, 1], samples, 2, "default"))
+    rows = read_samples(str(tmp_path))
+    assert [(r["prompt_index"], r["epoch"], r["sample_index"], r["teacher"]) for r in rows[:4]] == \
+           [(4, 0, 0, "default"), (4, 0, 1, "default"), (5, 1, 0, "math"), (5, 1, 1, "math")]
+    assert audit(rows, n=2).ok and audit(rows, n=2).max_staleness == 2
+    SamplesLog(str(tmp_path), start_step=1)  # --resume from step 1: step 1's lines go
+    assert [r["step"] for r in read_samples(str(tmp_path))] == [0] * 4
+    bad = audit(rows + rows[:1] + [dict(rows[0], prompt_index=9, sample_index=1)], n=2, dataset_size=6)
+    assert bad.duplicates == [(0, 4, 0)] and bad.partial_groups == [(0, 9)]
+    assert bad.missing == {0: [0, 1, 2, 3, 5]}  # epochs before the last must be whole
+
+
+def test_hang_message_names_the_bucket():
+    from opkd_mcore.controller.engine_workers import _runs
+    from opkd_mcore.controller.trainer_worker import _bucket_in_flight
+
+    sender = SimpleNamespace(buckets=[SimpleNamespace(index=i, nbytes=100) for i in range(3)])
+    assert _bucket_in_flight(sender, 0) == "before bucket 0 of 3 (plan handshake)"
+    assert _bucket_in_flight(sender, 200) == "bucket 1 (2 of 3 started, 200 bytes)"
+    assert _runs([3, 3, 4, 4, 4]) == [[3, 2], [4, 3]] and _runs([5, 5]) is None
+
+
+def test_teacher_actors_per_endpoint():
+    from opkd_mcore.controller.placement import cpus_needed, teacher_actor_endpoints
+
+    cfg = _cfg("controller.kind=ray", "controller.teacher_replicas=2", "teacher.teachers.0.name=math",
+               "teacher.teachers.0.data_sources=[gsm8k]")
+    cfg.teacher.teachers.append(type(cfg.teacher.teachers[0])(name="chat", backend="remote", url="http://a:1",
+                                                              replica_urls=["http://b:1"]))
+    actors = teacher_actor_endpoints(cfg)
+    assert [(t.name, url) for t, url in actors] == [("math", None), ("math", None), ("chat", "http://a:1"),
+                                                    ("chat", "http://b:1")]
+    assert cpus_needed(cfg, 2) == 2 + 1 + 4
+
+
+# ---------------------------------------------------------------- truncated importance weights
+def _is_weights(rank, world, model_dir):
+    from opkd_mcore.config import ParallelSection
+    from opkd_mcore.controller.importance import truncated_is_weights
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.train.batch import pack_sequences
+    from opkd_mcore.train.components import build_student, shard_layout
+    from opkd_mcore.train.objective import _token_logprobs
+
+    init_parallel(ParallelConfig(seed=3))
+    try:
+        engine, _ = build_student(model_dir, None)
+        prompts, responses = [[1, 4, 5], [1, 6], [1, 7, 8]], [[9, 10, 11], [12, 13], [14]]
+        own = []
+        for p, r in zip(prompts, responses):
+            batch = pack_sequences([p + r], [len(p)])
+            lp = _token_logprobs(engine.forward_logits(batch), torch.roll(batch.tokens, -1))
+            own.append(lp[len(p) - 1:len(p) - 1 + len(r)].tolist())
+        shifts = [0.5, 0.0, 3.0]  # the sampler found the response e^shift times less likely per token
+        samples = [Sample(prompt_ids=p, response_ids=r, response_logprobs=[x - d for x in lp],
+                          finish_reason="stop", weight_version=0, group_id=i)
+                   for i, (p, r, lp, d) in enumerate(zip(prompts, responses, own, shifts))]
+        weights, metrics = truncated_is_weights(engine, samples, [True, False, True],
+                                                ParallelSection(micro_batch_size=2, global_batch_size=3),
+                                                shard_layout(engine), cap=2.0)
+        return weights.tolist(), metrics
+    finally:
+        destroy_parallel()
+
+
+def test_truncated_importance_weights_of_stale_samples(tmp_path):
+    from opkd_mcore.models.tiny import save_tiny_hf_model
+    from tests._dist import run_distributed
+
+    model_dir = save_tiny_hf_model(str(tmp_path / "tiny"), seed=3, init_std=0.1)
+    (weights, metrics), = run_distributed(_is_weights, 1, model_dir)
+    assert weights == pytest.approx([math.exp(0.5), 1.0, 2.0], rel=1e-4)  # fresh: 1; e^3 capped at 2
+    assert metrics["async/is_truncated_fraction"] == 0.5
+
+
+# ---------------------------------------------------------------- teacher calls
+class _FakeTeacher:
+    """Stands in for a teacher actor handle: records the sequences of each call."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+        self.score = self
+
+    def options(self, num_returns):
+        assert num_returns == 2  # rows and seconds travel as two objects
+        return self
+
+    def remote(self, sequences):
+        self.calls.append((self.name, len(sequences)))
+        return object(), object()
+
+
+def test_samples_go_to_their_teacher_in_micro_batch_chunks_on_the_least_loaded_replica():
+    from opkd_mcore.controller.schedules import Pipeline
+
+    cfg = _cfg("controller.kind=ray", "teacher.teachers.0.name=math",
+               "teacher.teachers.0.data_sources=[gsm8k]",
+               "parallel.micro_batch_size=3", "parallel.global_batch_size=6", "rollout.n=2",
+               "rollout.prompts_per_step=3")
+    cfg.teacher.teachers.append(type(cfg.teacher.teachers[0])(name="chat", backend="remote", url="http://a:1"))
+    calls = []
+    teachers = {"math": [_FakeTeacher("math0", calls), _FakeTeacher("math1", calls)],
+                "chat": [_FakeTeacher("chat0", calls)]}
+    pipe = Pipeline(cfg, SimpleNamespace(rollouts=[object()], teachers=teachers), _queue(size=10, batch=4),
+                    version=0, step=0, sampling=None)
+    groups = [_group(pipe.queue, 0) for _ in range(4)]
+    for g, routed in zip(groups, ["math", None, "math", None]):  # route_data's "teacher" key, or the default
+        if routed:
+            g.job.data["teacher"] = routed
+    pipe._score(groups)
+    # math: 4 samples -> chunks of 3 + 1 on its two replicas in turn; chat (the default): 3 + 1
+    assert calls == [("math0", 3), ("math1", 1), ("chat0", 3), ("chat0", 1)]
+    rows = {g.job.prompt_index: g.teacher_rows for g in groups}
+    assert rows[groups[0].job.prompt_index] == [(0, 0), (0, 1)]
+    assert rows[groups[2].job.prompt_index] == [(0, 2), (1, 0)]  # a group split over two chunks
+    assert [g.pending_chunks for g in groups] == [1, 1, 2, 2] and not any(pipe.scored(g) for g in groups)

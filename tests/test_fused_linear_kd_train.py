@@ -1,0 +1,151 @@
+"""A training step with `loss.fused_lm_head: on` equals the step with `off` (CPU, real Megatron over gloo).
+
+`train_stage` on a tiny Qwen3 student, once with the output layer and the loss fused (the chunked
+C++ / torch twin, counted by `opkd_kernels.fused_linear_kd.LAUNCHES`) and once with materialised
+logits (the logits kernels): same loss, same KD metrics, same gradient norm and the same weights
+after the step. Covered: a top-k teacher at TP=2, the in-step Megatron teacher (wider, padded
+vocabulary: hidden states + its weight shard) at TP=2 and PP=2, tied input/output weights (their
+gradient adds the fused backward to the embedding's), and the config rules of `fused_lm_head`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opkd_mcore.data import ALPHABET
+from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+from tests._dist import run_distributed
+from tests.test_train_integration import _scored
+
+pytest.importorskip("megatron.core")
+V = 32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused_head")
+    shape = dict(vocab_size=V, hidden_size=64, num_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                 intermediate_size=128, max_position_embeddings=64)
+    teacher = TinyModelShape(**{**shape, "vocab_size": 40, "hidden_size": 96})
+    return {"student": save_tiny_hf_model(str(root / "student"), "qwen3", TinyModelShape(**shape), seed=1,
+                                          alphabet=ALPHABET),
+            "tied": save_tiny_hf_model(str(root / "tied"), "qwen3",
+                                       TinyModelShape(**shape, tie_word_embeddings=True), seed=3, alphabet=ALPHABET),
+            "teacher": save_tiny_hf_model(str(root / "teacher"), "qwen3", teacher, seed=2, alphabet=ALPHABET,
+                                          init_std=0.1)}
+
+
+def _step(student_dir, teacher_dir, loss_kwargs, fused: str):
+    """One optimizer step through `train_stage`; (metrics, fused launches, weights after)."""
+    from megatron.core import parallel_state as ps
+    from opkd_kernels.fused_linear_kd import LAUNCHES
+
+    from opkd_mcore.config import LossSection, ParallelSection, load_config
+    from opkd_mcore.train.components import build_student, shard_layout, shared_padded_vocab
+    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.train.stages import train_stage
+    from opkd_mcore.train.teacher_setup import build_in_step_teacher
+
+    teacher = padded = None
+    scored = _scored(7, dense=False)
+    if teacher_dir is not None:   # the in-step Megatron teacher: rows are scored inside the step
+        cfg = load_config(None, [f"model.student={student_dir}", f"teacher.teachers.0.model={teacher_dir}",
+                                 "teacher.teachers.0.backend=megatron", "loss.support=null"],
+                          check_files=False, validate=False)
+        padded, vocab = shared_padded_vocab(cfg)
+        teacher = build_in_step_teacher(cfg, padded, vocab)
+        scored.teacher = [None] * len(scored.samples)
+    # adam_eps=1: the update is ~ lr * g, so the weights after the step compare the gradients
+    engine, _ = build_student(student_dir, OptimConfig(lr=1.0, adam_eps=1.0, clip_grad=0.0),
+                              padded_vocab=padded, teacher=teacher)
+    before = sum(LAUNCHES.values())
+    result = train_stage(engine, scored, LossSection(fused_lm_head=fused, **loss_kwargs),
+                         ParallelSection(micro_batch_size=2, global_batch_size=4), shard_layout(engine),
+                         ps.get_tensor_model_parallel_group())
+    params = [p.detach().clone() for p in engine.parameters()]
+    return result.metrics, sum(LAUNCHES.values()) - before, params
+
+
+CASES = {  # name -> (student, teacher or None for top-k rows, LossSection kwargs)
+    "topk_jsd_tail_coverage": ("student", None, dict(support="teacher", divergence="jsd", beta=0.3, mass="tail",
+                                                     coverage_coef=0.2)),
+    "megatron_teacher_reverse_kl": ("student", "teacher", dict(divergence="reverse_kl", temperature=1.5)),
+    "tied_topk_forward": ("tied", None, dict(support="teacher", divergence="forward_kl")),
+}
+
+
+def _on_vs_off(rank, world, dirs, names, tp, pp):
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    init_parallel(ParallelConfig(tp=tp, pp=pp, seed=3))
+    try:
+        out = {}
+        for name in names:
+            student, teacher, kwargs = CASES[name]
+            on = _step(dirs[student], dirs.get(teacher), kwargs, "on")
+            off = _step(dirs[student], dirs.get(teacher), kwargs, "off")
+            out[name] = (on, off)
+        return out
+    finally:
+        destroy_parallel()
+
+
+def _assert_same_step(on, off, last_stage: bool):
+    (m_on, launches_on, params_on), (m_off, launches_off, params_off) = on, off
+    assert launches_off == 0
+    assert launches_on == (2 if last_stage else 0)   # one fused call per micro-batch, last stage only
+    names = [k for k in m_off if k.startswith(("kd/teacher_mass", "kd/student_mass", "kd/per_token", "train/loss",
+                                                "train/grad_norm", "teacher/"))]
+    assert "train/loss" in names and m_on["train/update_applied"] == 1.0
+    for k in names:
+        assert m_on[k] == pytest.approx(m_off[k], rel=2e-5, abs=1e-6), k
+    for a, b in zip(params_on, params_off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_fused_lm_head_step_matches_materialised_logits_at_tp2(models):
+    per_rank = run_distributed(_on_vs_off, 2, models, list(CASES), 2, 1)
+    for rank_out in per_rank:
+        for on, off in rank_out.values():
+            _assert_same_step(on, off, last_stage=True)
+    assert "teacher/top1_agreement" in per_rank[0]["megatron_teacher_reverse_kl"][0][0]
+
+
+def test_fused_lm_head_step_matches_materialised_logits_at_pp2(models):
+    per_rank = run_distributed(_on_vs_off, 2, models, ["megatron_teacher_reverse_kl"], 1, 2)
+    for stage, rank_out in enumerate(per_rank):
+        on, off = rank_out["megatron_teacher_reverse_kl"]
+        _assert_same_step(on, off, last_stage=stage == 1)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["loss.fused_lm_head=on", "loss.form=policy_gradient"], "^loss.fused_lm_head: 'on' fuses"),
+    (["loss.fused_lm_head=on", "loss.impl=reference"], "^loss.fused_lm_head: 'on' runs"),
+    (["loss.fused_lm_head=on", "teacher.teachers.0.backend=hf", "teacher.teachers.0.output=dense",
+      "loss.support=null"], "^loss.fused_lm_head: 'on' needs the teacher"),
+    (["loss.fused_lm_head=sometimes"], "^loss.fused_lm_head: expected one of"),
+])
+def test_fused_lm_head_config_errors(models, overrides, match):
+    from opkd_mcore.config import ConfigError, load_config
+
+    base = [f"model.student={models['student']}", f"teacher.teachers.0.model={models['student']}",
+            "teacher.teachers.0.backend=hf", "loss.support=teacher"]
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, base + overrides)
+    load_config(None, base + ["loss.fused_lm_head=on"])
+
+
+def test_auto_is_on_only_where_the_triton_tiles_run():
+    from opkd_mcore.config import LossSection
+    from opkd_mcore.losses import DenseTeacher, TopKTeacher
+    from opkd_mcore.train.objective import fused_lm_head_plan
+
+    class Batch:
+        teacher = TopKTeacher(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1))
+
+    auto = LossSection(fused_lm_head="auto", support="teacher")
+    assert not fused_lm_head_plan(auto, Batch, "cpu", torch.float32)        # the chunked twin: only with on
+    assert fused_lm_head_plan(LossSection(fused_lm_head="on", support="teacher"), Batch, "cpu", torch.float32)
+    Batch.teacher = DenseTeacher(torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="^loss.fused_lm_head: 'on' cannot run: the teacher hands over full"):
+        fused_lm_head_plan(LossSection(fused_lm_head="on"), Batch, "cpu", torch.float32)

@@ -1,0 +1,120 @@
+"""The Triton tiles of the fused LM-head loss under TRITON_INTERPRET=1 on CPU, vs the float64 brute force.
+
+A few cases of every kind (the chunked twin runs the whole case table in test_fused_linear_kd.py):
+dense forward / reverse KL / JSD in float32 and bfloat16, top-k teacher with tail and raw mass and
+coverage, dense teacher on a teacher / union support, vocabulary padding, several row and column
+blocks in every pass, the teacher top-1 of the stats pass, and TP=2 over gloo. As in
+test_kernels_triton.py, every case runs in a spawned process that starts with the interpreter on,
+and each test reports its own case.
+"""
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from opkd_mcore.losses import HiddenTeacher
+from tests import kernels_cases as cases
+from tests import test_fused_linear_kd as lk
+from tests._dist import run_distributed
+
+INTERPRETER_ENV = {"TRITON_INTERPRET": "1"}
+
+
+def _engine(**cfg):
+    from dataclasses import replace
+
+    from opkd_kernels.linear_kd_triton import TritonLinearKd, default_config
+
+    return TritonLinearKd(replace(default_config(), **cfg))
+
+
+def _dense(kd, dtype):
+    h, w, ht, wt = lk.make_inputs(1)
+    lk.assert_matches(h, w, HiddenTeacher(ht, wt), _engine(), dtype=dtype, **kd)
+
+
+def _topk(kd):
+    h, w, ht, wt = lk.make_inputs(2)
+    loss, d_h, _ = lk.assert_matches(h, w, cases.make_topk(ht @ wt.T, k=6), _engine(), support="teacher", **kd)
+    assert loss[2].item() == 0.0 and d_h[2].abs().max().item() == 0.0
+
+
+def _dense_support(kd):
+    h, w, ht, wt = lk.make_inputs(3)
+    lk.assert_matches(h, w, HiddenTeacher(ht, wt), _engine(), **kd)
+
+
+def _padding():
+    h, w, ht, wt = lk.make_inputs(5)
+    _, _, d_w = lk.assert_matches(h, w, HiddenTeacher(ht, wt), _engine(), vocab_end=lk.V - 7,
+                                  teacher_vocab_end=lk.V - 9, divergence="reverse_kl", temperature=1.3)
+    assert d_w[lk.V - 7:].abs().max().item() == 0.0
+
+
+def _many_blocks():
+    """37 rows x 41 columns: 3 row tiles, 3 vocabulary splits, 3 x 3 gradient blocks."""
+    h, w, ht, wt = lk.make_inputs(6, n=37)
+    engine = _engine(num_splits=3, grad_block_cols=16, grad_block_bytes=16 * 16 * 2)
+    lk.assert_matches(h, w, HiddenTeacher(ht, wt), engine, divergence="jsd", beta=0.6)
+    lk.assert_matches(h, w, cases.make_topk(ht @ wt.T, k=5), engine, support="teacher", mass="tail",
+                      coverage_coef=0.4)
+
+
+def _teacher_top1():
+    from opkd_mcore.losses import linear_kd_loss_with_stats
+
+    h, w, ht, wt = lk.make_inputs(8)
+    _, stats = linear_kd_loss_with_stats(h.float(), w.float(), HiddenTeacher(ht.float(), wt.float()),
+                                         engine=_engine(num_splits=3))
+    assert torch.equal(stats.teacher_top1, (ht @ wt.T).argmax(1))
+
+
+CASES = {}
+for _kd, _dt in [(dict(divergence="forward_kl"), torch.float32), (dict(divergence="forward_kl"), torch.bfloat16),
+                 (dict(divergence="reverse_kl", temperature=1.7), torch.float32),
+                 (dict(divergence="jsd", beta=0.3, temperature=0.6), torch.bfloat16),
+                 (dict(divergence="jsd", beta=1.0), torch.float32)]:
+    CASES[f"dense-{lk._ids(_kd)}-{_dt}"] = (_dense, (_kd, _dt))
+for _kd in [cases.TOPK_CASES[1], cases.TOPK_CASES[2], cases.TOPK_CASES[7]]:
+    CASES[f"topk-{lk._ids(_kd)}"] = (_topk, (_kd,))
+for _kd in [cases.DENSE_SUPPORT_CASES[0], cases.DENSE_SUPPORT_CASES[2]]:
+    CASES[f"dense-support-{lk._ids(_kd)}"] = (_dense_support, (_kd,))
+CASES.update({"vocabulary-padding": (_padding, ()), "many-blocks": (_many_blocks, ()),
+              "teacher-top1": (_teacher_top1, ())})
+
+
+def _run_all_cases(rank, world):
+    outcome = {}
+    for name, (fn, args) in CASES.items():
+        try:
+            fn(*args)
+            outcome[name] = None
+        except Exception:  # reported per case by the tests below
+            outcome[name] = traceback.format_exc()
+    return outcome
+
+
+def _spawn_interpreted(fn, world_size, *args):
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in INTERPRETER_ENV.items():
+            mp.setenv(key, value)
+        return run_distributed(fn, world_size, *args, env=INTERPRETER_ENV)
+
+
+@pytest.fixture(scope="module")
+def interpreter_outcomes():
+    return _spawn_interpreted(_run_all_cases, 1)[0]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_interpreter_case(interpreter_outcomes, name):
+    assert interpreter_outcomes[name] is None, interpreter_outcomes[name]
+
+
+def test_tp2_over_gloo_matches_the_full_vocabulary():
+    per_rank = _spawn_interpreted(lk.tp_worker, 2, "triton", [lk.TP_CASES[0], lk.TP_CASES[2], lk.TP_CASES[4]])
+    assert per_rank[0] == per_rank[1]

@@ -1,0 +1,154 @@
+"""Weight sync of an MoE student (Megatron, EP=2) into a real vLLM (CPU) engine.
+
+A tiny Qwen2-MoE (8 experts, top-2, gated shared expert, q/k/v biases) trained for one step at
+EP=2 over two processes, then synced: two sources, each with its own sender and group: rank 0
+sends the shared tensors and experts 0-3, rank 1 sends experts 4-7 (nothing gathers them onto one
+rank). The receiving engine loads them through vLLM's fused-MoE weight loader (per-expert HF names).
+The reference is a fresh engine started from the student's HF export: every parameter it holds
+(the CPU backend's prepacked fused-expert tensors included) equals the synced engine's bit for bit,
+and it generates the same greedy tokens. That fresh engine then serves as an MoE teacher through
+the vLLM backend (`VllmTeacher`): its top-k logprobs equal the HF forward of the export. (vLLM's own `reload_weights` is no reference on the CPU:
+it leaves the experts unpacked, see `receiver._cpu_moe_prepack_on_update`.)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from opkd_mcore.rollout.vllm_rollout import shutdown_llm
+from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
+from opkd_mcore.weight_sync.receiver import VllmWeightReceiver
+from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle
+from tests._dist import free_port, run_distributed
+from tests.conftest import engine_kwargs
+from tests.test_weight_sync_vllm import TRAIN_SEQUENCES, _ce_loss, greedy, hf_state
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+FAMILY = "qwen2_moe"
+VERSION = 5
+
+
+class MoeProbeForTest:
+    """Worker extension mixin: every parameter vLLM holds (fused experts included), as bytes."""
+
+    def probe_parameters(self) -> dict:
+        return {n: (list(p.shape), str(p.dtype), p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                for n, p in self.model_runner.model.named_parameters() if p.numel() > 0}
+
+
+class MoeReceiverForTest(VllmWeightReceiver, MoeProbeForTest):
+    pass
+
+
+def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
+    """Train one step at EP=2, save the HF export, sync the live weights into the engine."""
+    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights, save_hf_checkpoint
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.train.batch import pack_sequences
+    from opkd_mcore.train.engine import MegatronEngine
+    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync
+
+    init_parallel(ParallelConfig(ep=2, seed=7))
+    try:
+        chunks = build_model(load_hf_config(hf_dir), moe_aux_loss_coeff=0.01)
+        load_hf_weights(chunks, hf_dir)
+        engine = MegatronEngine(chunks, OptimConfig(lr=1e-2))
+        batch = [pack_sequences([TRAIN_SEQUENCES[rank]], [4])]  # one sequence per DP rank
+        metrics = engine.train_step(batch, _ce_loss(2 * batch[0].num_loss_tokens))
+        save_hf_checkpoint(chunks, export_dir, src_hf_dir=hf_dir, progress=False)
+        sync = MegatronWeightSync(chunks, SyncGroupsConfig(**sync_cfg))
+        sync.connect()
+        stats = sync.sync(VERSION)
+        sent = [] if sync.sender is None else \
+            [s.name for s in sync.plan.slots if s.pp_stage == sync.sender.stage]
+        sync.close()
+        return {"source": sync.source, "sent": sent, "metrics": metrics, "num_groups": len(sync.groups),
+                "stats": None if stats is None else (stats.syncs, stats.handshakes, stats.bytes_sent)}
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+
+    # head_dim 64 = hidden_size / heads: vLLM's Qwen2-MoE ignores a config head_dim that differs
+    shape = TinyModelShape(vocab_size=200, num_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    return save_tiny_hf_model(str(tmp_path_factory.mktemp("moe_sync") / FAMILY), FAMILY, shape, seed=2)
+
+
+TEACHER_K = 5
+
+
+def _check_vllm_moe_teacher(llm, hf_dir: str) -> None:
+    """`VllmTeacher` over an MoE engine: top-k logprobs == log_softmax of the HF forward at those ids."""
+    from transformers import AutoModelForCausalLM
+
+    from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
+
+    seqs = [TRAIN_SEQUENCES[0], [1, 9, 9, 12, 4, 7]]
+    rows = VllmTeacher(llm, VllmTeacherConfig(k=TEACHER_K)).score(seqs)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+    for seq, row in zip(seqs, rows):
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1].double(), dim=-1)
+        assert row.ids.shape == (len(seq) - 1, TEACHER_K)
+        torch.testing.assert_close(row.logprobs.double(), logprobs.gather(1, row.ids), rtol=0, atol=1e-4)
+        # the k ids are the HF model's k most likely ones
+        torch.testing.assert_close(row.logprobs.double(), logprobs.topk(TEACHER_K, dim=-1).values,
+                                   rtol=0, atol=1e-4)
+
+
+def _probe(llm) -> dict:
+    return llm.collective_rpc("probe_parameters")[0]
+
+
+def test_ep2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
+    import vllm
+
+    llm = vllm.LLM(checkpoint, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                   **engine_kwargs(), worker_extension_cls=f"{__name__}.MoeReceiverForTest")
+    try:
+        before = greedy(llm)
+        cfg = SyncGroupsConfig(base_port=free_port(), num_receivers=1, timeout_s=300, bucket_bytes=1 << 18)
+        handle = VllmSyncHandle(llm)
+        joined = handle.join_async(cfg.stage_groups(2))  # one group per source: (stage 0, EP rank 0 / 1)
+        received = handle.receive_async()
+        export_dir = str(tmp_path / "export")
+        per_rank = run_distributed(_trainer, 2, checkpoint, export_dir, asdict(cfg))
+        assert joined.result(60) == [1] and received.result(120) == [VERSION]
+
+        assert [r["source"] for r in per_rank] == [0, 1] and per_rank[0]["num_groups"] == 2
+        assert all(r["stats"][:2] == (1, 1) for r in per_rank)
+        experts_of = {r["source"]: {int(n.split(".")[5]) for n in r["sent"] if ".experts." in n} for r in per_rank}
+        assert experts_of == {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}}
+        assert all(".experts." in n for n in per_rank[1]["sent"])  # rank 1 sends only its experts
+        assert per_rank[0]["metrics"]["train/update_applied"] == 1.0
+        assert per_rank[0]["metrics"]["moe/aux_loss"] > 0
+
+        exported, original = hf_state(export_dir), hf_state(checkpoint)
+        assert exported.keys() == original.keys()
+        changed = [k for k in original if not torch.equal(exported[k], original[k])]
+        assert any(".experts.6." in k for k in changed)  # rank 1's experts were trained and sent
+        synced_params, synced_tokens = _probe(llm), greedy(llm)
+    finally:
+        shutdown_llm(llm)
+    fresh = vllm.LLM(export_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                     max_logprobs=TEACHER_K, enable_prefix_caching=False,
+                     **engine_kwargs(), worker_extension_cls=f"{__name__}.MoeReceiverForTest")
+    try:
+        fresh_params = _probe(fresh)
+        assert fresh_params.keys() == synced_params.keys()
+        assert sum("w13_weight" in n for n in fresh_params) == 2  # one fused-expert tensor per layer
+        for name, value in fresh_params.items():
+            assert synced_params[name] == value, name
+        assert greedy(fresh) == synced_tokens
+        _check_vllm_moe_teacher(fresh, export_dir)
+    finally:
+        shutdown_llm(fresh)
+    assert synced_tokens != before  # the step and the sync changed what the engine generates

@@ -1,0 +1,101 @@
+"""`tools/bench_models.py --moe`: one MoE student trained for real at EP=N (see that file's docstring)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+
+def _peak_memory_gib(on_gpu: bool) -> float:
+    import resource
+
+    import torch
+
+    if on_gpu:
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _loss_fn(num_global_tokens: int):
+    """Forward KL to the batch's dense teacher through `kd_loss` (fused kernels where built)."""
+    from opkd_mcore.losses import kd_loss
+
+    def loss_fn(logits, batch):
+        from megatron.core import parallel_state as ps
+
+        per_token = kd_loss(logits, batch.teacher, tp_group=ps.get_tensor_model_parallel_group(),
+                            validate=False)
+        return (per_token * batch.loss_mask).sum() / num_global_tokens, {}
+    return loss_fn
+
+
+def run_moe(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from opkd_mcore.losses import DenseTeacher
+    from opkd_mcore.models import build_model, hf_weight_metadata
+    from opkd_mcore.models.tiny import TinyModelShape, tiny_hf_config
+    from opkd_mcore.platform import ParallelConfig, current_device, destroy_parallel, init_parallel
+    from opkd_mcore.train.batch import pack_sequences
+    from opkd_mcore.train.engine import MegatronEngine
+    from opkd_mcore.train.optim import OptimConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ep = args.ep or world
+    init_parallel(ParallelConfig(tp=args.tp or 1, ep=ep))
+    shape = TinyModelShape(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                           num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                           head_dim=args.head_dim, max_position_embeddings=max(args.seq, 4096),
+                           extra=dict(num_experts=args.experts, num_experts_per_tok=args.topk,
+                                      moe_intermediate_size=args.moe_ffn, norm_topk_prob=True))
+    chunks = build_model(tiny_hf_config("qwen3_moe", shape), moe_aux_loss_coeff=args.aux_coef)
+    num_params = sum(torch.Size(m.shape).numel() for m in hf_weight_metadata(chunks))
+    local_params = sum(p.numel() for p in chunks[0].parameters())
+    engine = MegatronEngine(chunks, OptimConfig(lr=1e-5, clip_grad=1.0))
+    device = current_device()
+    gen = torch.Generator(device="cpu").manual_seed(dist.get_rank())
+    batches = []
+    for _ in range(args.micro_batch):  # one packed sequence per micro-batch; the teacher is fixed
+        seq = torch.randint(0, args.vocab, (args.seq,), generator=gen).tolist()
+        batch = pack_sequences([seq], [1])
+        local_vocab = engine.padded_vocab_size // engine.config.tensor_model_parallel_size
+        batch.teacher = DenseTeacher(logits=torch.randn(args.seq, local_vocab, generator=gen)
+                                     .to(device, engine.params_dtype))
+        batches.append(batch)
+    dp = dist.get_world_size() // (args.tp or 1)
+    loss_fn = _loss_fn(sum(b.num_loss_tokens for b in batches) * dp)
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    times, metrics = [], {}
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        metrics = engine.train_step(batches, loss_fn)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    peak = torch.tensor([_peak_memory_gib(on_gpu)], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    step_s = statistics.median(times)
+    tokens = args.seq * args.micro_batch * dp
+    result = dict(
+        device=torch.cuda.get_device_name() if on_gpu else "cpu", world_size=dist.get_world_size(),
+        tp=args.tp or 1, ep=ep, experts=args.experts, topk=args.topk, layers=args.layers,
+        params_billion=round(num_params / 1e9, 3), params_per_rank_billion=round(local_params / 1e9, 3),
+        seq=args.seq, micro_batches_per_rank=args.micro_batch, tokens_per_step=tokens,
+        dtype=str(engine.params_dtype).replace("torch.", ""), step_ms_median=round(step_s * 1e3, 1),
+        step_ms_min=round(min(times) * 1e3, 1), tokens_per_s=round(tokens / step_s),
+        peak_mem_gib_max_rank=round(peak.item(), 2), loss=round(metrics["train/loss"], 4),
+        **{k: round(v, 4) for k, v in metrics.items() if k.startswith("moe/")},
+        torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    if dist.get_rank() == 0:
+        for key, value in result.items():
+            print(f"{key:>24}  {value}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+    destroy_parallel(destroy_process_group=True)

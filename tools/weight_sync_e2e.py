@@ -1,0 +1,140 @@
+"""End-to-end weight sync: Megatron student -> export -> transport -> load into a running vLLM engine.
+
+`bench_weight_sync.py --e2e` runs this. What a sync costs in `opkd train`, measured with the
+trainer's own parts (`train.components.WeightSyncer`): Megatron export (TP gather, QKV / gate-up
+un-fusing), the bucketed transfer, and vLLM's layerwise reload of every tensor into the engine,
+ending when the engine reports the new version. In the same run, on the same two devices, a raw
+transfer of the same bytes in the same message size is the ceiling:
+
+    layout        trainer ranks          vLLM engine   transport       raw ceiling
+    tp1-disagg    1 rank on GPU 1        GPU 0         group (NCCL)    NCCL broadcast GPU 1 -> GPU 0
+    tp1-coloc     1 rank on GPU 0        GPU 0         colocated_ipc   IPC copy on GPU 0
+    tp2-coloc     2 ranks on GPU 0, 1    GPU 0         colocated_ipc   IPC copy on GPU 0
+
+    python tools/bench_weight_sync.py --e2e --shape qwen3-8b --layout tp1-disagg --iters 5
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+LAYOUTS = {  # name -> (trainer ranks, first trainer GPU, transport)
+    "tp1-disagg": (1, 1, "group"),
+    "tp1-coloc": (1, 0, "colocated_ipc"),
+    "tp2-coloc": (2, 0, "colocated_ipc"),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_checkpoint(shape: str, out_dir: str) -> str:
+    """A random bf16 HF checkpoint of a named shape (initialised on the GPU: seconds for 8B)."""
+    from opkd_mcore.data import ALPHABET
+    from opkd_mcore.models.tiny import NAMED_SHAPES, save_tiny_hf_model
+
+    return save_tiny_hf_model(out_dir, "qwen3", NAMED_SHAPES[shape], seed=1, alphabet=ALPHABET,
+                              dtype=torch.bfloat16, device="cuda")
+
+
+def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
+    tp, first_gpu, transport = LAYOUTS[args.layout]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(tp), LOCAL_RANK=str(first_gpu + rank))
+    from opkd_mcore.config import TrainConfig
+    from opkd_mcore.train.components import WeightSyncer, build_rollout, build_student, init_distributed
+
+    cfg = TrainConfig()
+    cfg.model.student, cfg.model.params_dtype = model_dir, "bfloat16"
+    cfg.parallel.tp = tp
+    cfg.rollout.gpu_memory_utilization, cfg.rollout.max_model_len = 0.3, 256
+    cfg.weight_sync.bucket_mb, cfg.weight_sync.transport = args.bucket_mb, transport
+    rollout = build_rollout(cfg) if rank == 0 else None  # vLLM's worker takes GPU 0
+    init_distributed(cfg)
+    _, chunks = build_student(model_dir, None, "bfloat16")
+    syncer = WeightSyncer(chunks, rollout, cfg)
+    times = []
+    for i in range(args.warmup + args.iters):
+        torch.distributed.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        syncer.sync(i + 1)  # returns once every engine worker has loaded version i + 1
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    stats = syncer.link.source.sender.stats if syncer.link.source.sender is not None else None
+    plan = syncer.link.source.plan
+    if rank == 0:
+        version = rollout.weight_version
+        queue.put({"sync_s": times, "version": version, "total_bytes": plan.total_bytes,
+                   "buckets": len(plan.buckets), "max_bucket": plan.max_bucket_nbytes(),
+                   "handshakes": None if stats is None else stats.handshakes,
+                   "device": torch.cuda.get_device_name(0)})
+    syncer.close()
+    if rollout is not None:
+        rollout.shutdown()
+
+
+def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, queue) -> None:
+    """Sender on the trainer's GPU, receiver on the engine's GPU: the same bytes, the same chunks."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_weight_sync import _raw_broadcast, _timed
+
+    from opkd_mcore.weight_sync import TransportConfig, make_transport
+
+    _, first_gpu, transport_name = LAYOUTS[args.layout]
+    torch.cuda.set_device(first_gpu if rank == 0 else 0)
+    transport = make_transport(transport_name, TransportConfig(port=port, world_size=2, timeout_s=600), rank)
+    transport.connect()
+    buf = transport.alloc_buffer(chunk)
+    times = _timed(lambda i: _raw_broadcast(transport, buf, total_bytes, 600), torch.device("cuda"),
+                   transport, args.iters, args.warmup)
+    transport.close()
+    queue.put((rank, times))
+
+
+def _run(target, nprocs: int, *args) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, queue)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    out = [queue.get(timeout=3600) for _ in range(nprocs if target is _raw else 1)]
+    for p in procs:
+        p.join(120)
+    return out
+
+
+def run_e2e(args) -> dict:
+    model_dir = args.model_dir or make_checkpoint(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
+    tp = LAYOUTS[args.layout][0]
+    (e2e,) = _run(_trainer, tp, args, model_dir, _free_port())
+    raw = dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"], e2e["max_bucket"]))
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    gb = e2e["total_bytes"] / 1e9
+    sync_s, raw_s = median(e2e["sync_s"]), median(raw[1])
+    return dict(mode="e2e", layout=args.layout, shape=args.shape, gbytes=round(gb, 3), buckets=e2e["buckets"],
+                bucket_mb=args.bucket_mb, sync_s=round(sync_s, 4), sync_gbps=round(gb / sync_s, 1),
+                raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
+                engine_version=e2e["version"], device=e2e["device"], sync_all_s=e2e["sync_s"],
+                raw_all_s=raw[1], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                torch=torch.__version__)
+
+
+def print_row(row: dict) -> None:
+    print("| layout | shape | GB | buckets | e2e sync s | e2e GB/s | raw s | raw GB/s | e2e / raw |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {row['layout']} | {row['shape']} | {row['gbytes']} | {row['buckets']} | {row['sync_s']} | "
+          f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} |")
+    print(json.dumps(row))
