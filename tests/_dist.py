@@ -18,6 +18,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def launcher_free_env(**extra: str) -> dict:
+    """This process's environment without a launcher's rank variables, for a command a test starts
+    as a user would from a shell (an in-process `init_parallel` of an earlier test sets them here)."""
+    from opkd_mcore.rollout.engine_env import LAUNCHER_VARIABLES
+
+    return {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}, **extra}
+
+
 def require_devices(n: int) -> None:
     """Skip a test of `n` ranks on a GPU machine with fewer GPUs (on CPU any number of ranks runs)."""
     import pytest

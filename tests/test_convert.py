@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from opkd_mcore.models.convert import main as convert_main
+from tests._dist import launcher_free_env
 
 pytest.importorskip("megatron.core")
 
@@ -33,7 +34,7 @@ def _read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = launcher_free_env(OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env,
                           timeout=600, cwd=REPO)
 

@@ -1,252 +1,67 @@
 """Cross-field checks: everything that would fail later is rejected here, before anything starts.
 
 Each check raises `ConfigError` whose message begins with the offending key path and says what
-was expected. Model shapes (heads, layers, vocabulary) come from the checkpoint's `config.json`;
-for hub names that are not local directories a small table of known shapes is used, so that the
-real-scale recipes validate on a laptop. Whether teacher and student share a vocabulary is decided
-by their tokenizers where both checkpoints have one (`config.json` sizes include padding).
+was expected. The primitives are in `checks.py`; what depends on the models a run names (shapes,
+vocabularies, the parallel layout) in `model_checks.py`; this file checks the sections.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import os
-import urllib.parse
 
+from opkd_mcore.config.checks import (
+    check_finite,
+    check_url,
+    choice,
+    in_range,
+    non_empty,
+    positive,
+    seed_in_range,
+)
 from opkd_mcore.config.loader import ConfigError
+from opkd_mcore.config.model_checks import (  # noqa: F401  (KNOWN_MODEL_SHAPES, model_shape: re-exported)
+    KNOWN_MODEL_SHAPES,
+    check_parallel,
+    check_student_vocab,
+    check_vocab,
+    launch_world_size,
+    load_tokenizer_info,
+    model_shape,
+)
+from opkd_mcore.config.schema import (
+    AGGREGATIONS,
+    BUILTIN_REWARDS,
+    CHAT_TEMPLATES,
+    CONTROLLERS,
+    DENSE_BACKENDS,
+    DIVERGENCES,
+    DTYPES,
+    FUSED_LM_HEAD_MODES,
+    HIDDEN_BACKENDS,
+    IN_FLIGHT_UPDATES,
+    KL_ESTIMATORS,
+    LOSS_FORMS,
+    LOSS_IMPLS,
+    MASSES,
+    OVERLAPPED_SCHEDULES,
+    PLACEMENTS,
+    ROUTINGS,
+    SCHEDULES,
+    STALE_POLICIES,
+    SUPPORTS,
+    TASKS,
+    TEACHER_BACKENDS,
+    TEACHER_OUTPUTS,
+    TeacherEndpoint,
+    TrainConfig,
+)
 from opkd_mcore.platform.device import DEVICE_TYPES
-from opkd_mcore.config.schema import (
-    AGGREGATIONS, BUILTIN_REWARDS, CHAT_TEMPLATES, DENSE_BACKENDS, DIVERGENCES, DTYPES,
-    KL_ESTIMATORS, LOSS_FORMS, LOSS_IMPLS, MASSES, ROUTINGS, SCHEDULES, SEED_MAX, SUPPORTS, TASKS,
-    TEACHER_BACKENDS, TEACHER_OUTPUTS, TeacherEndpoint, TrainConfig,
-)
-from opkd_mcore.config.schema import (
-    CONTROLLERS, IN_FLIGHT_UPDATES, OVERLAPPED_SCHEDULES, PLACEMENTS, STALE_POLICIES,
-)
-from opkd_mcore.config.schema import FUSED_LM_HEAD_MODES, HIDDEN_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-# Shapes of public checkpoints the recipes name (from their config.json), used when the path is a
-# hub id rather than a local directory. Fields: heads, kv_heads, layers, vocab.
-KNOWN_MODEL_SHAPES = {
-    "Qwen/Qwen3-0.6B": dict(heads=16, kv_heads=8, layers=28, vocab=151936),
-    "Qwen/Qwen3-1.7B": dict(heads=16, kv_heads=8, layers=28, vocab=151936),
-    "Qwen/Qwen3-4B": dict(heads=32, kv_heads=8, layers=36, vocab=151936),
-    "Qwen/Qwen3-8B": dict(heads=32, kv_heads=8, layers=36, vocab=151936),
-    "Qwen/Qwen3-14B": dict(heads=40, kv_heads=8, layers=40, vocab=151936),
-    "Qwen/Qwen3-32B": dict(heads=64, kv_heads=8, layers=64, vocab=151936),
-    "Qwen/Qwen3-30B-A3B": dict(heads=32, kv_heads=4, layers=48, vocab=151936, experts=128),
-    "Qwen/Qwen3-235B-A22B": dict(heads=64, kv_heads=4, layers=94, vocab=151936, experts=128),
-}
 DEVICES = (None, *DEVICE_TYPES)
 TRANSPORTS = ("auto", "group", "colocated_ipc")  # "auto" + keys of weight_sync.transport.TRANSPORTS
-
-
-def _choice(path: str, value, options) -> None:
-    if value not in options:
-        raise ConfigError(f"{path}: expected one of {list(options)}, got {value!r}")
-
-
-def _positive(path: str, value, *, allow_zero: bool = False) -> None:
-    # written so that NaN fails too: a config built in Python never went through the loader
-    if not (value > 0 or (allow_zero and value == 0)):
-        raise ConfigError(f"{path}: expected {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-
-
-def _in_range(path: str, value, low, high, *, low_open: bool = False) -> None:
-    """`low <= value <= high` (`low < value` when `low_open`); NaN fails."""
-    if not ((value > low if low_open else value >= low) and value <= high):
-        raise ConfigError(f"{path}: expected a value in {'(' if low_open else '['}{low}, {high}], "
-                          f"got {value!r}")
-
-
-def _seed(path: str, value: int) -> None:
-    _in_range(path, value, 0, SEED_MAX)
-
-
-def _non_empty(path: str, value: str | None) -> None:
-    if not value or not value.strip():
-        raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
-
-
-def _check_finite(value, path: str) -> None:
-    """Every float in the config is finite (the loader checks YAML input; this covers configs
-    built in Python). No field gives infinity a meaning, and NaN slips through range checks."""
-    if dataclasses.is_dataclass(value):
-        for f in dataclasses.fields(value):
-            _check_finite(getattr(value, f.name), f"{path}.{f.name}" if path else f.name)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_finite(item, f"{path}.{i}")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_finite(item, f"{path}.{key}")
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{path}: expected a finite number (not nan or inf), got {value}")
-
-
-def model_shape(path_key: str, model: str, check_files: bool) -> dict | None:
-    """heads / kv_heads / layers / vocab of a checkpoint, or None when unknown and not checked."""
-    cfg_file = os.path.join(model, "config.json")
-    if os.path.isfile(cfg_file):
-        try:
-            with open(cfg_file) as f:
-                hf = json.load(f)
-            hf = hf.get("text_config", hf)
-            heads = hf["num_attention_heads"]
-            # routed experts: Qwen MoE "num_experts", Mixtral "num_local_experts"; None = dense
-            experts = hf.get("num_experts") or hf.get("num_local_experts") or None
-            return dict(heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-                        layers=hf["num_hidden_layers"], vocab=hf["vocab_size"], experts=experts)
-        except (ValueError, KeyError, AttributeError) as err:  # not JSON, or not a decoder config
-            raise ConfigError(f"{path_key}: {cfg_file} is not a usable HF model config "
-                              f"({type(err).__name__}: {err})") from None
-    if model in KNOWN_MODEL_SHAPES:
-        return KNOWN_MODEL_SHAPES[model]
-    if check_files:
-        raise ConfigError(f"{path_key}: no HF checkpoint at {model!r} (expected a directory with "
-                          f"config.json, or one of {sorted(KNOWN_MODEL_SHAPES)})")
-    return None
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-@dataclasses.dataclass
-class TokenizerInfo:
-    """What the vocabulary check needs of a checkpoint's tokenizer."""
-
-    size: int  # len(tokenizer): every id the model can be asked to emit, added tokens included
-    ids: dict[str, int]  # token string -> id (`get_vocab()`, added tokens included)
-
-
-def load_tokenizer_info(path_key: str, model: str, cache: dict) -> TokenizerInfo | None:
-    """The tokenizer of a local checkpoint, or None when it has no tokenizer files (or is a hub
-    id: nothing is downloaded). `cache` maps model -> result within one validation."""
-    if model not in cache:
-        cache[model] = None
-        if any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
-            from transformers import AutoTokenizer
-
-            try:
-                tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
-            except Exception as err:  # transformers raises many kinds; all mean a broken checkpoint
-                raise ConfigError(f"{path_key}: cannot load the tokenizer of {model!r}: {err}") from None
-            cache[model] = TokenizerInfo(size=len(tok), ids=tok.get_vocab())
-    return cache[model]
-
-
-def _check_student_vocab(shape: dict | None, tok: TokenizerInfo | None) -> None:
-    if shape and tok and tok.size > shape["vocab"]:
-        raise ConfigError(f"model.student: the tokenizer has {tok.size} tokens but config.json's "
-                          f"vocab_size is {shape['vocab']} (the embedding must hold every token id)")
-
-
-def _check_vocab(path_key: str, teacher_vocab: int, teacher_tok: TokenizerInfo | None,
-                 student_vocab: int, student_tok: TokenizerInfo | None) -> None:
-    """The teacher can score every id the student emits, and means the same token by it.
-
-    config.json vocab sizes are padded (Qwen2.5: 151936 or 152064 for one tokenizer), so they
-    are compared only as a fallback when a tokenizer is missing.
-    """
-    sizes = (f"student tokenizer {student_tok.size if student_tok else '?'} tokens, "
-             f"teacher vocab_size {teacher_vocab}")
-    if student_tok is not None and student_tok.size > min(teacher_vocab, student_vocab):
-        raise ConfigError(f"{path_key}: the teacher cannot score every token the student can emit "
-                          f"({sizes})")
-    if student_tok is not None and teacher_tok is not None:
-        differ = [tok for tok, i in student_tok.ids.items() if teacher_tok.ids.get(tok) != i]
-        if differ:
-            tok = differ[0]
-            raise ConfigError(f"{path_key}: the tokenizers differ: {len(differ)} of the student's "
-                              f"tokens have another id in the teacher's (e.g. {tok!r}: student id "
-                              f"{student_tok.ids[tok]}, teacher id {teacher_tok.ids.get(tok)}); "
-                              f"{sizes} (same tokenizer needed)")
-    elif student_tok is None and teacher_vocab != student_vocab:
-        logger.warning("%s: cannot check that the teacher's tokenizer matches the student's (no "
-                       "tokenizer files); vocab_size %d (teacher) vs %d (student) may only be padding",
-                       path_key, teacher_vocab, student_vocab)
-
-
-def launch_world_size(cfg: TrainConfig) -> int:
-    """Ranks of the run: `parallel.world_size` if set, else the launcher's WORLD_SIZE, else 1; under
-    the Ray controller (which starts the ranks itself) one model-parallel replica, tp*pp*cp."""
-    if cfg.parallel.world_size:
-        return cfg.parallel.world_size
-    if cfg.controller.kind == "ray":
-        return cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
-    par = cfg.parallel
-    for name in ("tp", "pp", "micro_batch_size", "global_batch_size"):
-        _positive(f"parallel.{name}", getattr(par, name))
-    if par.cp != 1:
-        raise ConfigError(f"parallel.cp: expected 1, got {par.cp}: the student's SDPA core attention "
-                          "(opkd_mcore/platform/sdpa_attention.py) does not support context "
-                          "parallelism")
-    _check_expert_parallel(cfg, shape)
-    if par.world_size is not None:
-        _positive("parallel.world_size", par.world_size)
-    if par.vpp is not None:
-        _positive("parallel.vpp", par.vpp)
-        if par.pp == 1:
-            raise ConfigError(f"parallel.vpp: virtual pipeline needs parallel.pp > 1, got vpp={par.vpp} "
-                              "with pp=1 (set vpp: null)")
-    if shape is not None:
-        for key in ("heads", "kv_heads"):
-            if shape[key] % par.tp:
-                raise ConfigError(f"parallel.tp: {par.tp} does not divide the model's {shape[key]} "
-                                  f"{'attention' if key == 'heads' else 'key/value'} heads "
-                                  f"({cfg.model.student})")
-        chunks = par.pp * (par.vpp or 1)
-        if shape["layers"] % chunks:
-            raise ConfigError(f"parallel.pp: pp*vpp = {chunks} does not divide the model's "
-                              f"{shape['layers']} layers ({cfg.model.student})")
-    world = launch_world_size(cfg)
-    model_parallel = par.tp * par.pp * par.cp
-    if world % model_parallel:
-        raise ConfigError(f"parallel.tp: tp*pp*cp = {model_parallel} does not divide the world size "
-                          f"{world}")
-    expert_parallel = (par.etp or par.tp) * par.ep * par.pp
-    if world % expert_parallel:
-        raise ConfigError(f"parallel.ep: etp*ep*pp = {expert_parallel} does not divide the world size "
-                          f"{world} (Megatron lays the experts out over the same ranks)")
-    dp = world // model_parallel
-    if par.global_batch_size % (par.micro_batch_size * dp):
-        raise ConfigError(f"parallel.global_batch_size: {par.global_batch_size} is not divisible by "
-                          f"micro_batch_size*dp = {par.micro_batch_size}*{dp}")
-    samples = cfg.rollout.prompts_per_step * cfg.rollout.n
-    if par.global_batch_size != samples:
-        raise ConfigError(f"parallel.global_batch_size: {par.global_batch_size} must equal the "
-                          f"samples per step rollout.prompts_per_step*rollout.n = {samples}")
-
-
-def _check_expert_parallel(cfg: TrainConfig, shape: dict | None) -> None:
-    """ep/etp only for an MoE student, dividing its experts; MoE training at TP > 1 is refused."""
-    par = cfg.parallel
-    _positive("parallel.ep", par.ep)
-    if par.etp is not None:
-        _positive("parallel.etp", par.etp)
-    experts = shape.get("experts") if shape is not None else None
-    if shape is not None and not experts:
-        if par.ep != 1 or par.etp not in (None, par.tp):
-            raise ConfigError(f"parallel.ep: expected 1 (and etp unset), got ep={par.ep}, etp={par.etp}: "
-                              f"expert parallelism needs an MoE student, {cfg.model.student} has no experts")
-        return
-    if experts and experts % par.ep:
-        raise ConfigError(f"parallel.ep: {par.ep} does not divide the student's {experts} experts "
-                          f"({cfg.model.student})")
-    if experts and par.tp > 1:
-        # megatron-core's MoELayer refuses to train with TP > 1 unless sequence parallelism is on,
-        # and sequence parallelism needs the Transformer Engine layer spec
-        raise ConfigError(f"parallel.tp: an MoE student trains at tp=1 here, got tp={par.tp} "
-                          "(Megatron's MoE layer needs sequence parallelism with TP, which needs "
-                          "Transformer Engine); scale the experts with parallel.ep instead")
 
 
 def teacher_output(t: TeacherEndpoint) -> str:
@@ -255,22 +70,11 @@ def teacher_output(t: TeacherEndpoint) -> str:
         return t.output
     return "dense" if t.backend == "megatron" else "topk"
 
-
-def _check_url(path: str, url: str | None) -> None:
-    try:
-        parts = urllib.parse.urlsplit(url or "")
-    except ValueError:  # e.g. an unclosed IPv6 bracket
-        parts = None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"{path}: a remote teacher needs the server's base URL "
-                          f"(http://host:port), got {url!r}")
-
-
 def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
     """One teacher's own fields, without reading its checkpoint."""
-    _non_empty(f"{path}.name", t.name)
-    _choice(f"{path}.backend", t.backend, TEACHER_BACKENDS)
-    _choice(f"{path}.output", t.output, TEACHER_OUTPUTS)
+    non_empty(f"{path}.name", t.name)
+    choice(f"{path}.backend", t.backend, TEACHER_BACKENDS)
+    choice(f"{path}.output", t.output, TEACHER_OUTPUTS)
     if t.output == "dense" and t.backend not in DENSE_BACKENDS:
         raise ConfigError(f"{path}.output: 'dense' needs full-vocabulary logits, which only the "
                           f"{' and '.join(DENSE_BACKENDS)} backends compute; got backend "
@@ -281,16 +85,16 @@ def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
     if t.offload and t.backend != "megatron":
         raise ConfigError(f"{path}.offload: only a megatron teacher's weights move to host memory "
                           f"between steps; got backend {t.backend!r} (set offload: false)")
-    _positive(f"{path}.top_k", t.top_k)
+    positive(f"{path}.top_k", t.top_k)
     for j, source in enumerate(t.data_sources):
-        _non_empty(f"{path}.data_sources.{j}", source)
+        non_empty(f"{path}.data_sources.{j}", source)
     if t.backend == "remote":
         if t.output == "hidden" and not t.model:
             raise ConfigError(f"{path}.model: a remote teacher with output: hidden needs its HF checkpoint "
                               "here too: the trainer applies the teacher's output weight itself")
-        _check_url(f"{path}.url", t.url)
+        check_url(f"{path}.url", t.url)
         for j, url in enumerate(t.replica_urls):
-            _check_url(f"{path}.replica_urls.{j}", url)
+            check_url(f"{path}.replica_urls.{j}", url)
         return
     if t.url is not None or t.replica_urls:
         key = "url" if t.url is not None else "replica_urls"
@@ -319,13 +123,13 @@ def _check_teacher_model(cfg: TrainConfig, path: str, t: TeacherEndpoint, studen
     student_tok = load_tokenizer_info("model.student", cfg.model.student, tokenizers)
     teacher_tok = load_tokenizer_info(f"{path}.model", t.model, tokenizers)
     # a dense teacher may have more rows (padding): the trainer keeps the student's ids only
-    _check_vocab(f"{path}.model", shape["vocab"], teacher_tok, student_shape["vocab"], student_tok)
+    check_vocab(f"{path}.model", shape["vocab"], teacher_tok, student_shape["vocab"], student_tok)
 
 
 def _check_teachers(cfg: TrainConfig, student_shape: dict | None, tokenizers: dict,
                     check_files: bool) -> None:
     tcfg = cfg.teacher
-    _choice("teacher.routing", tcfg.routing, ROUTINGS)
+    choice("teacher.routing", tcfg.routing, ROUTINGS)
     if not tcfg.teachers:
         raise ConfigError("teacher.teachers: expected at least one teacher")
     defaults, sources, names = 0, {}, {}
@@ -373,23 +177,23 @@ def _check_in_step_teacher(cfg: TrainConfig) -> None:
 
 def _check_loss(cfg: TrainConfig, student_shape: dict | None) -> None:
     loss = cfg.loss
-    _choice("loss.form", loss.form, LOSS_FORMS)
-    _choice("loss.divergence", loss.divergence, DIVERGENCES)
-    _choice("loss.support", loss.support, SUPPORTS)
-    _choice("loss.mass", loss.mass, MASSES)
-    _choice("loss.impl", loss.impl, LOSS_IMPLS)
-    _choice("loss.aggregation", loss.aggregation, AGGREGATIONS)
-    _choice("loss.kl_estimator", loss.kl_estimator, KL_ESTIMATORS)
-    _in_range("loss.beta", loss.beta, 0, 1)
-    _positive("loss.temperature", loss.temperature)
-    _positive("loss.clip_eps", loss.clip_eps)
+    choice("loss.form", loss.form, LOSS_FORMS)
+    choice("loss.divergence", loss.divergence, DIVERGENCES)
+    choice("loss.support", loss.support, SUPPORTS)
+    choice("loss.mass", loss.mass, MASSES)
+    choice("loss.impl", loss.impl, LOSS_IMPLS)
+    choice("loss.aggregation", loss.aggregation, AGGREGATIONS)
+    choice("loss.kl_estimator", loss.kl_estimator, KL_ESTIMATORS)
+    in_range("loss.beta", loss.beta, 0, 1)
+    positive("loss.temperature", loss.temperature)
+    positive("loss.clip_eps", loss.clip_eps)
     for name in ("coverage_coef", "confidence_alpha", "pg_coef", "task_reward_coef", "moe_aux_loss_coef"):
-        _positive(f"loss.{name}", getattr(loss, name), allow_zero=True)
+        positive(f"loss.{name}", getattr(loss, name), allow_zero=True)
     if loss.moe_aux_loss_coef and student_shape is not None and not student_shape.get("experts"):
         raise ConfigError(f"loss.moe_aux_loss_coef: {loss.moe_aux_loss_coef} needs an MoE student; "
                           f"{cfg.model.student} has no experts")
     if loss.k is not None:
-        _positive("loss.k", loss.k)
+        positive("loss.k", loss.k)
     if loss.mass == "raw" and loss.divergence != "forward_kl":
         raise ConfigError(f"loss.mass: 'raw' is defined for forward_kl only, got divergence "
                           f"{loss.divergence!r} (use renorm or tail)")
@@ -436,7 +240,7 @@ def _check_fused_lm_head(cfg: TrainConfig) -> None:
     in the log; whether the device runs the chosen kernels is `train.components.check_loss_impl`'s)."""
     loss = cfg.loss
     mode = fused_lm_head_mode(loss.fused_lm_head)
-    _choice("loss.fused_lm_head", mode, FUSED_LM_HEAD_MODES)
+    choice("loss.fused_lm_head", mode, FUSED_LM_HEAD_MODES)
     if mode != "on":
         return
     if loss.form != "logit":
@@ -471,13 +275,13 @@ def _check_optim(cfg: TrainConfig) -> None:
 def _check_rollout(cfg: TrainConfig) -> None:
     ro = cfg.rollout
     for name in ("prompts_per_step", "n", "max_new_tokens", "max_model_len"):
-        _positive(f"rollout.{name}", getattr(ro, name))
-    _positive("rollout.temperature", ro.temperature, allow_zero=True)
-    _in_range("rollout.top_p", ro.top_p, 0, 1, low_open=True)
+        positive(f"rollout.{name}", getattr(ro, name))
+    positive("rollout.temperature", ro.temperature, allow_zero=True)
+    in_range("rollout.top_p", ro.top_p, 0, 1, low_open=True)
     if not (ro.top_k == -1 or ro.top_k >= 1):
         raise ConfigError(f"rollout.top_k: expected -1 (off) or >= 1, got {ro.top_k}")
-    _in_range("rollout.gpu_memory_utilization", ro.gpu_memory_utilization, 0, 1, low_open=True)
-    _seed("rollout.seed", ro.seed)
+    in_range("rollout.gpu_memory_utilization", ro.gpu_memory_utilization, 0, 1, low_open=True)
+    seed_in_range("rollout.seed", ro.seed)
     if ro.max_new_tokens >= ro.max_model_len:
         raise ConfigError(f"rollout.max_new_tokens: {ro.max_new_tokens} leaves no room for the prompt "
                           f"in rollout.max_model_len = {ro.max_model_len}")
@@ -485,9 +289,9 @@ def _check_rollout(cfg: TrainConfig) -> None:
 
 def _check_weight_sync(cfg: TrainConfig) -> None:
     ws = cfg.weight_sync
-    _positive("weight_sync.bucket_mb", ws.bucket_mb)
-    _positive("weight_sync.every_steps", ws.every_steps)
-    _choice("weight_sync.transport", ws.transport, TRANSPORTS)
+    positive("weight_sync.bucket_mb", ws.bucket_mb)
+    positive("weight_sync.every_steps", ws.every_steps)
+    choice("weight_sync.transport", ws.transport, TRANSPORTS)
     if not ws.host or any(c.isspace() for c in ws.host) or "://" in ws.host:
         raise ConfigError(f"weight_sync.host: expected a host name or IP address (no scheme, no "
                           f"spaces), got {ws.host!r}")
@@ -508,9 +312,9 @@ def _check_task(cfg: TrainConfig) -> None:
     data, ro = cfg.data, cfg.rollout
     if data.task is None:
         raise ConfigError("data.train_path: set a prompt file, or data.task for a synthetic task")
-    _choice("data.task", data.task, TASKS)
+    choice("data.task", data.task, TASKS)
     digits = data.task_digits
-    _positive("data.task_digits", digits)
+    positive("data.task_digits", digits)
     prompt_tokens = 2 * digits + 3  # "07+45=" and a BOS; no tokenizer splits an ASCII char further
     if prompt_tokens + ro.max_new_tokens > ro.max_model_len:
         raise ConfigError(f"data.task_digits: {digits}-digit prompts take up to {prompt_tokens} tokens "
@@ -528,15 +332,15 @@ def _check_task(cfg: TrainConfig) -> None:
 def _check_data(cfg: TrainConfig, check_files: bool) -> None:
     data = cfg.data
     for key in ("prompt_key", "answer_key", "data_source_key", "messages_key"):
-        _non_empty(f"data.{key}", getattr(data, key))
-    _choice("data.chat_template", data.chat_template, CHAT_TEMPLATES)
+        non_empty(f"data.{key}", getattr(data, key))
+    choice("data.chat_template", data.chat_template, CHAT_TEMPLATES)
     for source, reward in data.rewards.items():
         if not source.strip():
             raise ConfigError(f"data.rewards: expected data_source names as keys, got {source!r}")
         _check_reward(f"data.rewards.{source}", reward)
-    _positive("data.num_train", data.num_train)
-    _positive("data.num_eval", data.num_eval, allow_zero=True)
-    _seed("data.seed", data.seed)
+    positive("data.num_train", data.num_train)
+    positive("data.num_eval", data.num_eval, allow_zero=True)
+    seed_in_range("data.seed", data.seed)
     if data.train_path is None:
         _check_task(cfg)
     for key in ("train_path", "eval_path"):
@@ -551,33 +355,33 @@ def _check_data(cfg: TrainConfig, check_files: bool) -> None:
 
 def _check_run(cfg: TrainConfig) -> None:
     run = cfg.run
-    _positive("run.steps", run.steps)
-    _seed("run.seed", run.seed)
-    _choice("run.schedule", run.schedule, SCHEDULES)
-    _choice("run.device", run.device, DEVICES)
+    positive("run.steps", run.steps)
+    seed_in_range("run.seed", run.seed)
+    choice("run.schedule", run.schedule, SCHEDULES)
+    choice("run.device", run.device, DEVICES)
     if not run.output_dir or not run.output_dir.strip():
         raise ConfigError(f"run.output_dir: expected a directory path, got {run.output_dir!r}")
-    _positive("checkpoint.save_every", cfg.checkpoint.save_every, allow_zero=True)
-    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
-    _positive("logging.console_every", cfg.logging.console_every, allow_zero=True)
+    positive("checkpoint.save_every", cfg.checkpoint.save_every, allow_zero=True)
+    positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
+    positive("logging.console_every", cfg.logging.console_every, allow_zero=True)
     if cfg.logging.wandb_project is not None:
-        _non_empty("logging.wandb_project", cfg.logging.wandb_project)
+        non_empty("logging.wandb_project", cfg.logging.wandb_project)
 
 
 def _check_schedule(cfg: TrainConfig) -> None:
     """The schedule and the controller that runs it (see opkd_mcore/controller/)."""
     run, ctl = cfg.run, cfg.controller
-    _choice("controller.kind", ctl.kind, CONTROLLERS)
-    _choice("controller.placement", ctl.placement, PLACEMENTS)
+    choice("controller.kind", ctl.kind, CONTROLLERS)
+    choice("controller.placement", ctl.placement, PLACEMENTS)
     for name in ("rollout_engines", "rollout_tp", "teacher_replicas"):
-        _positive(f"controller.{name}", getattr(ctl, name))
+        positive(f"controller.{name}", getattr(ctl, name))
     for name in ("cpus_per_worker", "sync_timeout_s", "call_timeout_s"):
-        _positive(f"controller.{name}", getattr(ctl, name))
-    _positive("controller.max_restarts", ctl.max_restarts, allow_zero=True)
-    _choice("run.stale_policy", run.stale_policy, STALE_POLICIES)
-    _choice("run.in_flight_update", run.in_flight_update, IN_FLIGHT_UPDATES)
-    _positive("run.max_staleness", run.max_staleness, allow_zero=True)
-    _positive("run.partial_rollout_tokens", run.partial_rollout_tokens)
+        positive(f"controller.{name}", getattr(ctl, name))
+    positive("controller.max_restarts", ctl.max_restarts, allow_zero=True)
+    choice("run.stale_policy", run.stale_policy, STALE_POLICIES)
+    choice("run.in_flight_update", run.in_flight_update, IN_FLIGHT_UPDATES)
+    positive("run.max_staleness", run.max_staleness, allow_zero=True)
+    positive("run.partial_rollout_tokens", run.partial_rollout_tokens)
     if not run.is_truncation >= 1.0:  # a cap below 1 would shrink even on-policy samples
         raise ConfigError(f"run.is_truncation: expected >= 1, got {run.is_truncation!r}")
     if run.schedule in OVERLAPPED_SCHEDULES and ctl.kind != "ray":
@@ -620,7 +424,7 @@ def _check_checkpoint_cadence(cfg: TrainConfig) -> None:
 
 
 def _check_rest(cfg: TrainConfig, check_files: bool) -> None:
-    _choice("model.params_dtype", cfg.model.params_dtype, DTYPES)
+    choice("model.params_dtype", cfg.model.params_dtype, DTYPES)
     _check_rollout(cfg)
     _check_optim(cfg)
     _check_weight_sync(cfg)
@@ -632,15 +436,15 @@ def _check_rest(cfg: TrainConfig, check_files: bool) -> None:
 
 def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfig:
     """Raise `ConfigError` (a ValueError) naming the key path of the first impossible setting."""
-    _check_finite(cfg, "")
+    check_finite(cfg, "")
     if not cfg.model.student:
         raise ConfigError("model.student: expected the student's HF checkpoint directory or hub id")
     student_shape = model_shape("model.student", cfg.model.student, check_files)
     tokenizers: dict = {}  # checkpoint -> TokenizerInfo, each tokenizer loaded once
-    _check_student_vocab(student_shape, load_tokenizer_info("model.student", cfg.model.student,
+    check_student_vocab(student_shape, load_tokenizer_info("model.student", cfg.model.student,
                                                              tokenizers))
     _check_rest(cfg, check_files)
     _check_teachers(cfg, student_shape, tokenizers, check_files)
     _check_loss(cfg, student_shape)
-    _check_parallel(cfg, student_shape)
+    check_parallel(cfg, student_shape)
     return cfg

@@ -1,0 +1,193 @@
+"""Checks of the models a run names: shapes from `config.json`, the student/teacher vocabulary by
+their tokenizers, and the parallel layout against the student's heads, layers and experts.
+
+For hub names that are not local directories a small table of known shapes is used, so that the
+real-scale recipes validate on a laptop. Whether teacher and student share a vocabulary is decided
+by their tokenizers where both checkpoints have one (`config.json` sizes include padding).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+from opkd_mcore.config.checks import positive
+from opkd_mcore.config.loader import ConfigError
+from opkd_mcore.config.schema import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+# Shapes of public checkpoints the recipes name (from their config.json), used when the path is a
+# hub id rather than a local directory. Fields: heads, kv_heads, layers, vocab.
+KNOWN_MODEL_SHAPES = {
+    "Qwen/Qwen3-0.6B": dict(heads=16, kv_heads=8, layers=28, vocab=151936),
+    "Qwen/Qwen3-1.7B": dict(heads=16, kv_heads=8, layers=28, vocab=151936),
+    "Qwen/Qwen3-4B": dict(heads=32, kv_heads=8, layers=36, vocab=151936),
+    "Qwen/Qwen3-8B": dict(heads=32, kv_heads=8, layers=36, vocab=151936),
+    "Qwen/Qwen3-14B": dict(heads=40, kv_heads=8, layers=40, vocab=151936),
+    "Qwen/Qwen3-32B": dict(heads=64, kv_heads=8, layers=64, vocab=151936),
+    "Qwen/Qwen3-30B-A3B": dict(heads=32, kv_heads=4, layers=48, vocab=151936, experts=128),
+    "Qwen/Qwen3-235B-A22B": dict(heads=64, kv_heads=4, layers=94, vocab=151936, experts=128),
+}
+
+
+def model_shape(path_key: str, model: str, check_files: bool) -> dict | None:
+    """heads / kv_heads / layers / vocab of a checkpoint, or None when unknown and not checked."""
+    cfg_file = os.path.join(model, "config.json")
+    if os.path.isfile(cfg_file):
+        try:
+            with open(cfg_file) as f:
+                hf = json.load(f)
+            hf = hf.get("text_config", hf)
+            heads = hf["num_attention_heads"]
+            # routed experts: Qwen MoE "num_experts", Mixtral "num_local_experts"; None = dense
+            experts = hf.get("num_experts") or hf.get("num_local_experts") or None
+            return dict(heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
+                        layers=hf["num_hidden_layers"], vocab=hf["vocab_size"], experts=experts)
+        except (ValueError, KeyError, AttributeError) as err:  # not JSON, or not a decoder config
+            raise ConfigError(f"{path_key}: {cfg_file} is not a usable HF model config "
+                              f"({type(err).__name__}: {err})") from None
+    if model in KNOWN_MODEL_SHAPES:
+        return KNOWN_MODEL_SHAPES[model]
+    if check_files:
+        raise ConfigError(f"{path_key}: no HF checkpoint at {model!r} (expected a directory with "
+                          f"config.json, or one of {sorted(KNOWN_MODEL_SHAPES)})")
+    return None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+@dataclasses.dataclass
+class TokenizerInfo:
+    """What the vocabulary check needs of a checkpoint's tokenizer."""
+
+    size: int  # len(tokenizer): every id the model can be asked to emit, added tokens included
+    ids: dict[str, int]  # token string -> id (`get_vocab()`, added tokens included)
+
+
+def load_tokenizer_info(path_key: str, model: str, cache: dict) -> TokenizerInfo | None:
+    """The tokenizer of a local checkpoint, or None when it has no tokenizer files (or is a hub
+    id: nothing is downloaded). `cache` maps model -> result within one validation."""
+    if model not in cache:
+        cache[model] = None
+        if any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+            except Exception as err:  # transformers raises many kinds; all mean a broken checkpoint
+                raise ConfigError(f"{path_key}: cannot load the tokenizer of {model!r}: {err}") from None
+            cache[model] = TokenizerInfo(size=len(tok), ids=tok.get_vocab())
+    return cache[model]
+
+
+def check_student_vocab(shape: dict | None, tok: TokenizerInfo | None) -> None:
+    if shape and tok and tok.size > shape["vocab"]:
+        raise ConfigError(f"model.student: the tokenizer has {tok.size} tokens but config.json's "
+                          f"vocab_size is {shape['vocab']} (the embedding must hold every token id)")
+
+
+def check_vocab(path_key: str, teacher_vocab: int, teacher_tok: TokenizerInfo | None,
+                 student_vocab: int, student_tok: TokenizerInfo | None) -> None:
+    """The teacher can score every id the student emits, and means the same token by it.
+
+    config.json vocab sizes are padded (Qwen2.5: 151936 or 152064 for one tokenizer), so they
+    are compared only as a fallback when a tokenizer is missing.
+    """
+    sizes = (f"student tokenizer {student_tok.size if student_tok else '?'} tokens, "
+             f"teacher vocab_size {teacher_vocab}")
+    if student_tok is not None and student_tok.size > min(teacher_vocab, student_vocab):
+        raise ConfigError(f"{path_key}: the teacher cannot score every token the student can emit "
+                          f"({sizes})")
+    if student_tok is not None and teacher_tok is not None:
+        differ = [tok for tok, i in student_tok.ids.items() if teacher_tok.ids.get(tok) != i]
+        if differ:
+            tok = differ[0]
+            raise ConfigError(f"{path_key}: the tokenizers differ: {len(differ)} of the student's "
+                              f"tokens have another id in the teacher's (e.g. {tok!r}: student id "
+                              f"{student_tok.ids[tok]}, teacher id {teacher_tok.ids.get(tok)}); "
+                              f"{sizes} (same tokenizer needed)")
+    elif student_tok is None and teacher_vocab != student_vocab:
+        logger.warning("%s: cannot check that the teacher's tokenizer matches the student's (no "
+                       "tokenizer files); vocab_size %d (teacher) vs %d (student) may only be padding",
+                       path_key, teacher_vocab, student_vocab)
+
+
+def launch_world_size(cfg: TrainConfig) -> int:
+    """Ranks of the run: `parallel.world_size` if set, else the launcher's WORLD_SIZE, else 1; under
+    the Ray controller (which starts the ranks itself) one model-parallel replica, tp*pp*cp."""
+    if cfg.parallel.world_size:
+        return cfg.parallel.world_size
+    if cfg.controller.kind == "ray":
+        return cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
+    par = cfg.parallel
+    for name in ("tp", "pp", "micro_batch_size", "global_batch_size"):
+        positive(f"parallel.{name}", getattr(par, name))
+    if par.cp != 1:
+        raise ConfigError(f"parallel.cp: expected 1, got {par.cp}: the student's SDPA core attention "
+                          "(opkd_mcore/platform/sdpa_attention.py) does not support context "
+                          "parallelism")
+    check_expert_parallel(cfg, shape)
+    if par.world_size is not None:
+        positive("parallel.world_size", par.world_size)
+    if par.vpp is not None:
+        positive("parallel.vpp", par.vpp)
+        if par.pp == 1:
+            raise ConfigError(f"parallel.vpp: virtual pipeline needs parallel.pp > 1, got vpp={par.vpp} "
+                              "with pp=1 (set vpp: null)")
+    if shape is not None:
+        for key in ("heads", "kv_heads"):
+            if shape[key] % par.tp:
+                raise ConfigError(f"parallel.tp: {par.tp} does not divide the model's {shape[key]} "
+                                  f"{'attention' if key == 'heads' else 'key/value'} heads "
+                                  f"({cfg.model.student})")
+        chunks = par.pp * (par.vpp or 1)
+        if shape["layers"] % chunks:
+            raise ConfigError(f"parallel.pp: pp*vpp = {chunks} does not divide the model's "
+                              f"{shape['layers']} layers ({cfg.model.student})")
+    world = launch_world_size(cfg)
+    model_parallel = par.tp * par.pp * par.cp
+    if world % model_parallel:
+        raise ConfigError(f"parallel.tp: tp*pp*cp = {model_parallel} does not divide the world size "
+                          f"{world}")
+    expert_parallel = (par.etp or par.tp) * par.ep * par.pp
+    if world % expert_parallel:
+        raise ConfigError(f"parallel.ep: etp*ep*pp = {expert_parallel} does not divide the world size "
+                          f"{world} (Megatron lays the experts out over the same ranks)")
+    dp = world // model_parallel
+    if par.global_batch_size % (par.micro_batch_size * dp):
+        raise ConfigError(f"parallel.global_batch_size: {par.global_batch_size} is not divisible by "
+                          f"micro_batch_size*dp = {par.micro_batch_size}*{dp}")
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.n
+    if par.global_batch_size != samples:
+        raise ConfigError(f"parallel.global_batch_size: {par.global_batch_size} must equal the "
+                          f"samples per step rollout.prompts_per_step*rollout.n = {samples}")
+
+
+def check_expert_parallel(cfg: TrainConfig, shape: dict | None) -> None:
+    """ep/etp only for an MoE student, dividing its experts; MoE training at TP > 1 is refused."""
+    par = cfg.parallel
+    positive("parallel.ep", par.ep)
+    if par.etp is not None:
+        positive("parallel.etp", par.etp)
+    experts = shape.get("experts") if shape is not None else None
+    if shape is not None and not experts:
+        if par.ep != 1 or par.etp not in (None, par.tp):
+            raise ConfigError(f"parallel.ep: expected 1 (and etp unset), got ep={par.ep}, etp={par.etp}: "
+                              f"expert parallelism needs an MoE student, {cfg.model.student} has no experts")
+        return
+    if experts and experts % par.ep:
+        raise ConfigError(f"parallel.ep: {par.ep} does not divide the student's {experts} experts "
+                          f"({cfg.model.student})")
+    if experts and par.tp > 1:
+        # megatron-core's MoELayer refuses to train with TP > 1 unless sequence parallelism is on,
+        # and sequence parallelism needs the Transformer Engine layer spec
+        raise ConfigError(f"parallel.tp: an MoE student trains at tp=1 here, got tp={par.tp} "
+                          "(Megatron's MoE layer needs sequence parallelism with TP, which needs "
+                          "Transformer Engine); scale the experts with parallel.ep instead")
