@@ -439,3 +439,61 @@ def test_megatron_tp_job_fails_cleanly_when_receiver_dies(tmp_path):
     assert "sending rank" in peer["error"]  # the TP peer is told, instead of hanging in the export
     assert all(r["intact"] for r in per_rank)  # the trainer keeps its weights
     assert all(r["elapsed"] < cfg.timeout_s + 10 for r in per_rank)
+
+
+def _slow_sender_proc(group, delay_s, queue):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        transport = make_transport("group", group, rank=0)
+        sender = WeightSender(_plan(), transport, 1)
+
+        def slow_export():  # stands in for an export whose TP gathers take time
+            for item in _stage_tensors(1, 5):
+                time.sleep(delay_s)
+                yield item
+
+        s = sender.sync(slow_export(), 5)
+        queue.put(("sender", 1, (s.last_pack_s, s.last_wait_s, s.last_sync_s)))
+        transport.close()
+    except BaseException:
+        queue.put(("error", 1, traceback.format_exc()))
+
+
+def _slow_receiver_proc(group, delay_s, queue):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        receiver = BucketReceiver()
+        receiver.join([group], 1)
+        buckets = []
+        receiver.receive(lambda named: (buckets.append(len(named)), time.sleep(delay_s)))
+        s = receiver.stats
+        queue.put(("receiver", 1, (len(buckets), s.last_load_s, s.last_wait_s, s.last_sync_s)))
+        receiver.close()
+    except BaseException:
+        queue.put(("error", 1, traceback.format_exc()))
+
+
+def test_sync_stats_split_host_time_into_pack_wait_and_load():
+    """The phase timings a GPU profile of a sync reads (tools/weight_sync_e2e.py) land where the
+    time was spent: a slow export shows as the sender's pack time and the receiver's waits, a slow
+    load as the receiver's load time."""
+    queue = mp.get_context("spawn").Queue()
+    (group,) = SyncGroupsConfig(base_port=free_port(), num_receivers=1, timeout_s=60).stage_groups(1)
+    export_delay, load_delay = 0.05, 0.1
+    procs = [_start(_slow_sender_proc, group, export_delay, queue),
+             _start(_slow_receiver_proc, group, load_delay, queue)]
+    results = {r[0]: r[2] for r in _collect(queue, 2, timeout=120)}
+    for p in procs:
+        p.join(30)
+    assert "error" not in results, results["error"]
+    pack_s, send_wait_s, send_total_s = results["sender"]
+    n_buckets, load_s, recv_wait_s, recv_total_s = results["receiver"]
+    n_tensors = len(_stage_tensors(1, 0))
+    assert pack_s >= n_tensors * export_delay
+    assert pack_s + send_wait_s <= send_total_s
+    assert n_buckets >= 2 and load_s >= n_buckets * load_delay
+    assert load_s + recv_wait_s <= recv_total_s
+    # the receiver cannot load what the sender has not exported yet: the export it did not spend
+    # loading (loads overlap the next bucket's export) it spent waiting
+    assert recv_wait_s + load_s >= n_tensors * export_delay
+    assert recv_wait_s >= n_tensors * export_delay - n_buckets * load_delay > 0

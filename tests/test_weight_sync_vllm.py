@@ -178,6 +178,10 @@ def test_sync_matches_source_bitwise_and_fresh_engine(engine, checkpoints):
     assert stats_2["buffer_allocations"] == stats_1["buffer_allocations"] == 2
     assert stats_2["buffer_ptrs"] == stats_1["buffer_ptrs"]
     assert stats_2["last_version"] == 2 and stats_2["weights_consistent"]
+    # the per-phase host times a GPU profile reads: each inside the whole sync, the engine's own
+    # reload set-up/finalize and its loads both took time
+    assert 0 < stats_2["last_load_s"] and 0 < stats_2["last_reload_s"]
+    assert stats_2["last_load_s"] + stats_2["last_wait_s"] <= stats_2["last_sync_s"]
     transport.close()
 
 

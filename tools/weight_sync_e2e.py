@@ -62,7 +62,7 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
     init_distributed(cfg)
     _, chunks = build_student(model_dir, None, "bfloat16")
     syncer = WeightSyncer(chunks, rollout, cfg)
-    times = []
+    times, phases = [], []
     for i in range(args.warmup + args.iters):
         torch.distributed.barrier()
         torch.cuda.synchronize()
@@ -71,17 +71,29 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            phases.append(_phases(syncer) if rank == 0 else None)
     stats = syncer.link.source.sender.stats if syncer.link.source.sender is not None else None
     plan = syncer.link.source.plan
     if rank == 0:
         version = rollout.weight_version
         queue.put({"sync_s": times, "version": version, "total_bytes": plan.total_bytes,
                    "buckets": len(plan.buckets), "max_bucket": plan.max_bucket_nbytes(),
-                   "handshakes": None if stats is None else stats.handshakes,
+                   "handshakes": None if stats is None else stats.handshakes, "phases": phases,
                    "device": torch.cuda.get_device_name(0)})
     syncer.close()
     if rollout is not None:
         rollout.shutdown()
+
+
+def _phases(syncer) -> dict:
+    """Host seconds of the last sync by phase: the sender's export + pack and its waits, the first
+    engine worker's load, its waits for bytes, and vLLM's layerwise reload set-up + finalize."""
+    sender = syncer.link.source.sender
+    out = {} if sender is None else {"pack_s": sender.stats.last_pack_s, "send_wait_s": sender.stats.last_wait_s}
+    if syncer.link.handle is not None:
+        worker = syncer.link.handle.stats()[0]
+        out.update(load_s=worker["last_load_s"], recv_wait_s=worker["last_wait_s"], reload_s=worker["last_reload_s"])
+    return out
 
 
 def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, queue) -> None:
@@ -124,11 +136,12 @@ def run_e2e(args) -> dict:
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     gb = e2e["total_bytes"] / 1e9
     sync_s, raw_s = median(e2e["sync_s"]), median(raw[1])
+    phases = {k: round(median([p[k] for p in e2e["phases"]]), 4) for k in e2e["phases"][0]}
     return dict(mode="e2e", layout=args.layout, shape=args.shape, gbytes=round(gb, 3), buckets=e2e["buckets"],
                 bucket_mb=args.bucket_mb, sync_s=round(sync_s, 4), sync_gbps=round(gb / sync_s, 1),
                 raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
                 engine_version=e2e["version"], device=e2e["device"], sync_all_s=e2e["sync_s"],
-                raw_all_s=raw[1], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                raw_all_s=raw[1], phases=phases, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 torch=torch.__version__)
 
 
@@ -137,4 +150,5 @@ def print_row(row: dict) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {row['layout']} | {row['shape']} | {row['gbytes']} | {row['buckets']} | {row['sync_s']} | "
           f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} |")
+    print("host seconds by phase (medians):", ", ".join(f"{k} {v}" for k, v in row["phases"].items()))
     print(json.dumps(row))

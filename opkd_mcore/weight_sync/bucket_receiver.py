@@ -32,6 +32,10 @@ class ReceiverStats:
     buffer_allocations: int = 0
     bytes_received: int = 0
     last_sync_s: float = 0.0
+    # where the last sync's host time went: inside `load_fn` (the engine's load), and waiting for
+    # the bytes of a bucket (transfer, trailer check)
+    last_load_s: float = 0.0
+    last_wait_s: float = 0.0
     last_version: int = -1
     buffer_ptrs: list[int] = field(default_factory=list)
 
@@ -87,6 +91,7 @@ class BucketReceiver:
         if not self.transports:
             raise RuntimeError("receiver: call join() before receive()")
         start = time.perf_counter()
+        self.stats.last_load_s = self.stats.last_wait_s = 0.0
         versions = set()
         for transport, control in zip(self.transports, self.controls):
             versions.add(self._receive_stage(transport, control, load_fn))
@@ -108,13 +113,17 @@ class BucketReceiver:
         timeout = transport.cfg.timeout_s
         pending = transport.broadcast(self._buffers[0], buckets[0].nbytes + TRAILER_BYTES) if buckets else None
         for i, bucket in enumerate(buckets):
+            t0 = time.perf_counter()
             pending.wait(timeout)
             buf = self._buffers[i % 2]
             if i + 1 < len(buckets):  # the other buffer's bucket is fully loaded by now
                 pending = transport.broadcast(self._buffers[(i + 1) % 2], buckets[i + 1].nbytes + TRAILER_BYTES)
             # checked after posting the next receive: the check waits for the bytes on the host
             check_trailer(buf, bucket.nbytes, header.version, bucket.index, plan.digest())
+            t1 = time.perf_counter()
             load_fn(self.views(plan, bucket, buf))
+            self.stats.last_wait_s += t1 - t0
+            self.stats.last_load_s += time.perf_counter() - t1
             self.stats.bytes_received += bucket.nbytes
         return header.version
 

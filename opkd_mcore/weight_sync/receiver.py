@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import asdict
 
 import torch
@@ -136,7 +137,9 @@ class VllmWeightReceiver:
         receiver = self._opkd_receiver_or_raise()
         initialize, finalize = _layerwise_reload_api()
         model = self.model_runner.model
+        start = time.perf_counter()
         initialize(model)
+        self._opkd_reload_s = time.perf_counter() - start
         ok = False
 
         def load(named):
@@ -149,7 +152,9 @@ class VllmWeightReceiver:
                 ok = True
             finally:
                 # restores kernel tensors of layers that got nothing, so the engine stays usable
+                start = time.perf_counter()
                 finalize(model, self.model_config)
+                self._opkd_reload_s += time.perf_counter() - start
                 self._opkd_weights_consistent = ok
         logger.info("loaded weight version %d", version)
         return version
@@ -157,6 +162,8 @@ class VllmWeightReceiver:
     def opkd_weight_sync_stats(self) -> dict:
         stats = asdict(self._opkd_receiver_or_raise().stats)
         stats["weights_consistent"] = self._opkd_weights_consistent
+        # host seconds of the last sync in vLLM's layerwise reload set-up and finalize
+        stats["last_reload_s"] = getattr(self, "_opkd_reload_s", 0.0)
         return stats
 
     def opkd_close_weight_sync(self) -> None:

@@ -30,6 +30,10 @@ class SenderStats:
     buffer_allocations: int = 0
     bytes_sent: int = 0
     last_sync_s: float = 0.0
+    # where the last sync's host time went: pulling tensors from the export stream into a bucket
+    # (TP gathers, un-fusing: the export's cost), and waiting for the previous bucket's transfer
+    last_pack_s: float = 0.0
+    last_wait_s: float = 0.0
     buffer_ptrs: list[int] = field(default_factory=list)
 
 
@@ -78,16 +82,22 @@ class WeightSender:
         stream = iter(named_tensors)
         timeout = self.transport.cfg.timeout_s
         pending: PendingTransfer | None = None
+        pack_s = wait_s = 0.0
         for i, bucket in enumerate(self.buckets):
             buf = self._buffers[i % 2]
+            t0 = time.perf_counter()
             self._pack(bucket, buf, stream)  # overlaps the transfer of bucket i-1
             write_trailer(buf, bucket.nbytes, version, bucket.index, self.plan.digest())
+            t1 = time.perf_counter()
             if pending is not None:
                 pending.wait(timeout)
+            pack_s, wait_s = pack_s + t1 - t0, wait_s + time.perf_counter() - t1
             pending = self.transport.broadcast(buf, bucket.nbytes + TRAILER_BYTES)
             self.stats.bytes_sent += bucket.nbytes
+        t1 = time.perf_counter()
         if pending is not None:
             pending.wait(timeout)
+        self.stats.last_pack_s, self.stats.last_wait_s = pack_s, wait_s + time.perf_counter() - t1
         leftover = next(stream, None)
         if leftover is not None:
             raise ValueError(f"named_tensors: tensor {leftover[0]!r} is not in stage {self.stage}'s plan "

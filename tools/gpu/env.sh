@@ -4,15 +4,29 @@
 # p0 and p1 were stashed by earlier calls (../shared/device/vllm-bundle.sh explains the carry):
 #
 #   bash tools/gpu/wheels.sh               # here, once: .whl/ (megatron-core, vLLM server imports)
+#   bash tools/gpu/env.sh stash .whl-ray/a # there, optional (Ray): one call per half, see wheels.sh
 #   eval "$(bash tools/gpu/env.sh)"        # there; carry: .vllm-parts/p2 and .whl
 #
 # Idempotent: a later call on the same warm machine only prints the exports again.
 set -euo pipefail
 root=$(pwd)
+if [ "${1:-}" = stash ]; then  # keep a carried half of the Ray wheels for the install call
+  mkdir -p /tmp/ray-parts && cp "$2"/* /tmp/ray-parts/ && ls /tmp/ray-parts >&2
+  exit 0
+fi
 if [ ! -f /tmp/site/.ok ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl >&2
   touch /tmp/site/.ok
+fi
+if [ -f /tmp/ray-parts/ray.tar.part0 ] && [ -f /tmp/ray-parts/ray.tar.part1 ] && [ ! -f /tmp/site/.ray ]; then
+  cat /tmp/ray-parts/ray.tar.part0 /tmp/ray-parts/ray.tar.part1 > /tmp/ray-parts/ray.tar
+  [ "$(sha256sum /tmp/ray-parts/ray.tar | cut -d' ' -f1)" = "$(cat /tmp/ray-parts/ray.tar.sha256)" ] || \
+      { echo "env.sh: the Ray halves do not reassemble (sha256 mismatch)" >&2; exit 1; }
+  mkdir -p /tmp/ray-parts/whl && tar xf /tmp/ray-parts/ray.tar -C /tmp/ray-parts/whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site /tmp/ray-parts/whl/*.whl >&2
+  touch /tmp/site/.ray
 fi
 # the Triton/C++ kernels package is `opkd_kernels`, installed from kernels/ (setup.py package_dir)
 ln -sfn "$root/kernels" /tmp/site/opkd_kernels

@@ -11,6 +11,7 @@
 #   bash tools/gpu/lane.sh loss           # the loss inside a training step: time, share, memory
 #   bash tools/gpu/lane.sh lm_head        # fused LM head + KD: GPU tests, then the benchmark
 #   bash tools/gpu/lane.sh moe            # MoE student at EP=2 (2 GPUs)
+#   bash tools/gpu/lane.sh steps          # the four Ray schedules (2 GPUs: student | rollout + teacher; Ray carried)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -79,5 +80,10 @@ case "${1:-}" in
   moe)  # a Qwen3-30B-A3B-shaped MoE student with fewer layers at EP=2 (2 GPUs)
     python3 -m torch.distributed.run --nproc_per_node 2 tools/bench_models.py --moe --layers 8 --seq 4096 \
         --out "$OUT/moe.json" > "$OUT/moe.log" 2>&1; grep "^|" "$OUT/moe.log" ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  steps)  # bench_step on the models of `models`: needs Ray (tools/gpu/wheels.sh ray)
+    python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
+        --teacher-backend vllm --teachers-with-rollout --prompts 32 --n 4 --max-new-tokens 256 --steps 6 \
+        --json "$OUT/bench_step.json" "${@:2}" > "$OUT/bench_step.log" 2>&1
+    grep "^|" "$OUT/bench_step.log" || tail -30 "$OUT/bench_step.log" ;;
+  *) sed -n '2,14p' "$0"; exit 2 ;;
 esac
