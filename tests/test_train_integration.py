@@ -282,15 +282,17 @@ def _run_train(models, name, nproc, *overrides):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_megatron_teacher_matches_hf_teacher_at_tp1_tp2_pp2(models):
+def test_megatron_teacher_matches_hf_teacher_at_tp1_tp2_pp2_tp2pp2(models):
     hf, _ = _run_train(models, "hf_dense", 1, "teacher.teachers.0.backend=hf", "teacher.teachers.0.output=dense")
     tp1, log = _run_train(models, "megatron_tp1", 1)
     assert "loss: fused kernels (cpp)" in log
     tp2, _ = _run_train(models, "megatron_tp2", 2, "parallel.tp=2")
     pp2, _ = _run_train(models, "megatron_pp2", 2, "parallel.pp=2")
+    # the scale run's layout (issue 15) with 4 CPU processes standing in for 4 GPUs
+    tp2pp2, _ = _run_train(models, "megatron_tp2pp2", 4, "parallel.tp=2", "parallel.pp=2")
     reference = [row["train/loss"] for row in hf]
     assert len(reference) == 3 and reference[-1] < reference[0]
-    for run in (tp1, tp2, pp2):
+    for run in (tp1, tp2, pp2, tp2pp2):
         assert [row["train/loss"] for row in run] == pytest.approx(reference, rel=1e-4)
         assert all(row["teacher/nonfinite_rows"] == 0 and "teacher/top1_agreement" in row for row in run)
         assert all(row["timing/teacher"] == 0.0 for row in run)  # scored inside the step

@@ -219,7 +219,9 @@ def test_plan_mismatch_names_the_tensor(engine, checkpoints, tmp_path, variant):
 
 
 # ---------------------------------------------------------------------------- Megatron student
-LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "pp2vpp2": dict(pp=2, vpp=2)}
+# tp2pp2vpp2: the scale run's student layout (issue 15), 4 CPU processes standing in for 4 GPUs
+LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "pp2vpp2": dict(pp=2, vpp=2),
+           "tp2pp2vpp2": dict(tp=2, pp=2, vpp=2)}
 TRAIN_SEQUENCES = [[1, 4, 5, 14, 6, 15, 9, 12, 2], [1, 7, 8, 14, 9, 15, 10, 11, 2]]  # equal lengths
 
 
@@ -273,13 +275,15 @@ def test_megatron_student_synced_matches_its_hf_export(engine, checkpoints, tmp_
     pp = LAYOUTS[layout].get("pp", 1)
     cfg = SyncGroupsConfig(base_port=free_port(), num_receivers=1, timeout_s=300, bucket_bytes=1 << 20)
     handle = VllmSyncHandle(llm)
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("the Megatron trainer runs 2 ranks: needs 2 GPUs")
+    world = LAYOUTS[layout].get("tp", 1) * pp
+    if torch.cuda.is_available() and torch.cuda.device_count() < max(world, 2):
+        pytest.skip(f"the Megatron trainer runs {max(world, 2)} ranks: needs as many GPUs")
     cfg = replace(cfg, transport=TRANSPORT)
     joined = handle.join_async(cfg.stage_groups(pp), transport=TRANSPORT)  # both sides block until the other joins
     received = handle.receive_async()
     export_dir = str(tmp_path / "export")
-    per_rank = run_distributed(_megatron_trainer, 2, checkpoints["B"], export_dir, layout, asdict(cfg), version,
+    per_rank = run_distributed(_megatron_trainer, max(world, 2), checkpoints["B"], export_dir, layout,
+                               asdict(cfg), version,
                                backend=None if torch.cuda.is_available() else "gloo")
     assert joined.result(60) == [1] and received.result(120) == [version]
 

@@ -123,7 +123,7 @@ class MoEBridge(ModelBridge):
             moe_router_pre_softmax=not self.norm_topk_prob,
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,  # SequentialMLP: plain per-expert linears on every platform
-            # all-to-all exchanges only the routed tokens; gloo and NCCL both carry it
+            # all-to-all exchanges only the routed tokens; every process-group backend carries it
             moe_token_dispatcher_type="alltoall",
             moe_shared_expert_intermediate_size=self.shared_ffn_size,
             moe_shared_expert_gate=self.shared_expert,
