@@ -255,6 +255,9 @@ def test_optim_config_rejects_non_finite(name, value):
     (["teacher.teachers.0.output=full"], "teacher.teachers.0.output", "expected one of"),
     (["teacher.teachers.0.output=dense"], "teacher.teachers.0.output", "megatron and hf"),
     (["teacher.teachers.0.offload=true"], "teacher.teachers.0.offload", "megatron"),
+    (["teacher.teachers.0.dtype=float64"], "teacher.teachers.0.dtype", "expected one of"),
+    (["teacher.teachers.0.backend=hf", "teacher.teachers.0.dtype=float32"], "teacher.teachers.0.dtype",
+     "vllm backend only"),
     (["teacher.teachers.0.url=http://host:8000"], "teacher.teachers.0.url", "remote"),
     (["teacher.teachers.0.data_sources=['']"], "teacher.teachers.0.data_sources.0", "non-empty"),
     (["teacher.teachers.0.backend=remote", "teacher.teachers.0.url=localhost:8000"],
@@ -278,8 +281,8 @@ def test_range_boundaries_are_accepted(base):
         "loss.confidence_alpha=0.0", "data.task_digits=1", "data.num_train=100",
         "data.rewards={addition: exact_match, code: 'my_pkg.rewards:score'}",
         "data.chat_template=none", "weight_sync.host=node-1.cluster", "run.overwrite=true",
-        "logging.console_every=0", "optim.lr_decay_steps=5"])
-    assert cfg.rollout.top_k == -1 and cfg.data.rewards["code"] == "my_pkg.rewards:score"
+        "logging.console_every=0", "optim.lr_decay_steps=5", "teacher.teachers.0.dtype=float32"])
+    assert cfg.rollout.top_k == -1 and cfg.teacher.teachers[0].dtype == "float32" and cfg.data.rewards["code"] == "my_pkg.rewards:score"
     assert load_config(base, ["rollout.top_k=1"]).rollout.top_k == 1
 
 
@@ -300,6 +303,20 @@ def test_teacher_output_and_offload(base, tmp_path):
     _reject(base, mixed, "teacher.teachers", "mixed")
     assert load_config(base, ["teacher.teachers.0.backend=megatron", "teacher.teachers.0.offload=true",
                               "loss.support=null"]).teacher.teachers[0].offload
+
+
+def test_teacher_dtype_reaches_the_vllm_engine_config(base, monkeypatch):
+    """`teacher.teachers.N.dtype` is what the scoring teacher's engine is built with (vLLM's own
+    `auto` runs a float32 checkpoint in bfloat16)."""
+    import opkd_mcore.teacher.vllm_teacher as vllm_teacher
+    from opkd_mcore.train.teacher_setup import build_scoring_teacher
+
+    built = []
+    monkeypatch.setattr(vllm_teacher, "VllmTeacher", lambda model, cfg: built.append((model, cfg)) or cfg)
+    for dtype in ("float32", "auto"):
+        cfg = load_config(base, [f"teacher.teachers.0.dtype={dtype}"])
+        assert build_scoring_teacher(cfg).dtype == dtype
+    assert [c.dtype for _, c in built] == ["float32", "auto"]
 
 
 # --- vocabulary: tokenizers, not padded config.json sizes -----------------------------------

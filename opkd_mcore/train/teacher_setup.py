@@ -48,7 +48,7 @@ def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None
         from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
 
         return VllmTeacher(t.model, VllmTeacherConfig(
-            k=t.top_k, max_model_len=cfg.rollout.max_model_len, seed=cfg.rollout.seed,
+            k=t.top_k, max_model_len=cfg.rollout.max_model_len, seed=cfg.rollout.seed, dtype=t.dtype,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "remote":
