@@ -256,8 +256,8 @@ def test_optim_config_rejects_non_finite(name, value):
     (["teacher.teachers.0.output=dense"], "teacher.teachers.0.output", "megatron and hf"),
     (["teacher.teachers.0.offload=true"], "teacher.teachers.0.offload", "megatron"),
     (["teacher.teachers.0.dtype=float64"], "teacher.teachers.0.dtype", "expected one of"),
-    (["teacher.teachers.0.backend=hf", "teacher.teachers.0.dtype=float32"], "teacher.teachers.0.dtype",
-     "vllm backend only"),
+    (["teacher.teachers.0.backend=remote", "teacher.teachers.0.url=http://a:1", "teacher.teachers.0.dtype=float32"],
+     "teacher.teachers.0.dtype", "vllm and hf backends only"),
     (["teacher.teachers.0.url=http://host:8000"], "teacher.teachers.0.url", "remote"),
     (["teacher.teachers.0.data_sources=['']"], "teacher.teachers.0.data_sources.0", "non-empty"),
     (["teacher.teachers.0.backend=remote", "teacher.teachers.0.url=localhost:8000"],
@@ -317,6 +317,15 @@ def test_teacher_dtype_reaches_the_vllm_engine_config(base, monkeypatch):
         cfg = load_config(base, [f"teacher.teachers.0.dtype={dtype}"])
         assert build_scoring_teacher(cfg).dtype == dtype
     assert [c.dtype for _, c in built] == ["float32", "auto"]
+    # an hf teacher computes in the named dtype too (auto: float32)
+    import opkd_mcore.teacher.hf_teacher as hf_teacher
+
+    monkeypatch.setattr(hf_teacher, "TransformersTeacher", lambda model, k, dtype: dtype)
+    import torch
+
+    for dtype, expected in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):
+        cfg = load_config(base, ["teacher.teachers.0.backend=hf", f"teacher.teachers.0.dtype={dtype}"])
+        assert build_scoring_teacher(cfg) == expected
 
 
 # --- vocabulary: tokenizers, not padded config.json sizes -----------------------------------

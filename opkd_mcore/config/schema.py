@@ -115,8 +115,9 @@ class TeacherEndpoint:
     # load-balanced: each chunk of sequences goes to the least-loaded reachable replica
     output: str = "auto"  # auto | topk | dense (megatron, hf) | hidden (vllm, remote: hidden states, the trainer applies the teacher's output weight from `model`)
     offload: bool = False  # megatron: keep the teacher's weights in host memory between steps
-    # vllm: engine dtype; auto = vLLM's choice, which runs a float32 checkpoint in bfloat16
-    # (slow on CPUs without AVX-512 BF16, and not what a float32 student trains against)
+    # vllm, hf: the teacher's compute dtype; auto = vLLM's choice (a float32 checkpoint runs in
+    # bfloat16: slow on CPUs without AVX-512 BF16, and not what a float32 student trains against),
+    # float32 for hf
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
 
 

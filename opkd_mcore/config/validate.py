@@ -86,9 +86,9 @@ def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
         raise ConfigError(f"{path}.offload: only a megatron teacher's weights move to host memory "
                           f"between steps; got backend {t.backend!r} (set offload: false)")
     choice(f"{path}.dtype", t.dtype, ("auto", *DTYPES))
-    if t.dtype != "auto" and t.backend != "vllm":
-        raise ConfigError(f"{path}.dtype: the engine dtype is set for the vllm backend only (megatron "
-                          "teachers use model.params_dtype, hf ones float32, remote ones their server's); "
+    if t.dtype != "auto" and t.backend not in ("vllm", "hf"):
+        raise ConfigError(f"{path}.dtype: set for the vllm and hf backends only (a megatron teacher "
+                          "computes in model.params_dtype, a remote one in its server's dtype); "
                           f"got backend {t.backend!r} (set dtype: auto)")
     positive(f"{path}.top_k", t.top_k)
     for j, source in enumerate(t.data_sources):
