@@ -20,8 +20,7 @@ from opkd_mcore.config.checks import (
     seed_in_range,
 )
 from opkd_mcore.config.loader import ConfigError
-from opkd_mcore.config.model_checks import (  # noqa: F401  (KNOWN_MODEL_SHAPES, model_shape: re-exported)
-    KNOWN_MODEL_SHAPES,
+from opkd_mcore.config.model_checks import (
     check_parallel,
     check_student_vocab,
     check_vocab,

@@ -58,11 +58,10 @@ def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None
         return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k, student_vocab_size=student_vocab,
                                                      output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "hf":
-        import torch
-
         from opkd_mcore.teacher.hf_teacher import TransformersTeacher
+        from opkd_mcore.train.components import DTYPES
 
-        dtype = getattr(torch, "float32" if t.dtype == "auto" else t.dtype)
+        dtype = DTYPES["float32" if t.dtype == "auto" else t.dtype]
         # dense: raw logits; kd_loss applies loss.temperature to dense teacher logits itself
         return TransformersTeacher(t.model, k=None if teacher_output(t) == "dense" else t.top_k, dtype=dtype)
     raise ValueError(f"teacher {t.name!r}: backend {t.backend!r} is not a scoring teacher "
