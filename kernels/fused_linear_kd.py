@@ -97,6 +97,10 @@ def grad_pass(engine, inp: LinearInputs, lse, coef, inv_t: float, beta: float, c
                                d_S[rows].contiguous(), lse_r, coef_r)
             if inp.student_end < cols.stop:   # padding columns are constants, not functions of W
                 dz[:, max(inp.student_end - cols.start, 0):] = 0
+            if dz.is_cuda and dz.dtype != w.dtype:
+                # float32 block (chunked engine): round the finished gradient once, as an unfused
+                # bf16 logits buffer holds it, so dh and dW run as half GEMMs on tensor cores
+                dz = dz.to(w.dtype)
             if need_h:
                 addmm_f32_(d_h[rows], dz, w[cols])
             if need_w:
@@ -186,9 +190,27 @@ class LinearKdResult(tuple):
         return self[0]
 
 
+# The chunked engine on a GPU: both [N, C] float32 logits blocks (student, teacher) within this.
+CHUNKED_BLOCK_BYTES = 512 << 20
+
+
+def gpu_chunked_engine(num_rows: int):
+    """The chunked engine with the Triton row kernels: every row in one block (dW is one GEMM per
+    column block, no accumulator) and as many columns, up to 4096, as fit CHUNKED_BLOCK_BYTES. At
+    16384 x 4096 x 151936 it beats the tiles by 15-20% on a dense teacher (one cuBLAS GEMM per
+    block instead of matmuls inside the row kernels) and loses on a sparse one (docs/benchmarks.md)."""
+    from .linear_kd_chunked import ChunkedLinearKd
+    from .triton_backend import TritonKdBackend
+
+    cols = max(512, min(4096, CHUNKED_BLOCK_BYTES // (8 * max(1, num_rows))) // 128 * 128)
+    return ChunkedLinearKd(TritonKdBackend(), block_rows=max(1, num_rows), block_cols=cols,
+                           gather_elements=1 << 26)
+
+
 def select_linear_engine(hidden: torch.Tensor, backend="auto"):
-    """The engine for `hidden`: "triton" (tiles), "cpp" / "torch" (chunked twin), or "auto"
-    (Triton on CUDA, the C++ twin on CPU when built, torch elsewhere); None if the named one cannot
+    """The engine for `hidden`: "triton" (tiles), "chunked" (the chunked engine with the Triton row
+    kernels where they run, else the twin below), "cpp" / "torch" (chunked twin), or "auto" (Triton
+    tiles on CUDA, the C++ twin on CPU when built, torch elsewhere); None if the named one cannot
     run here. An engine object passes through (tests and benchmarks pick block sizes that way)."""
     from . import cpu_backend
     from .linear_kd_chunked import ChunkedLinearKd
@@ -196,6 +218,12 @@ def select_linear_engine(hidden: torch.Tensor, backend="auto"):
 
     if not isinstance(backend, str):
         return backend
+    if backend == "chunked":
+        from .triton_backend import triton_usable_on
+
+        if hidden.device.type != "cpu" and triton_usable_on(hidden):
+            return gpu_chunked_engine(hidden.shape[0])
+        backend = "auto"   # off the Triton devices every engine is the chunked twin
     if backend in ("auto", "triton"):
         try:
             from .linear_kd_triton import TritonLinearKd

@@ -28,11 +28,13 @@ GATHER_ELEMENTS = 1 << 22
 class ChunkedLinearKd:
     """Engine of the fused LM-head loss over materialised blocks (see the module docstring)."""
 
-    def __init__(self, backend, block_rows: int = 1024, block_cols: int = 4096):
+    def __init__(self, backend, block_rows: int = 1024, block_cols: int = 4096, *,
+                 gather_elements: int = GATHER_ELEMENTS):
         if block_rows < 1 or block_cols < 1:
             raise ValueError(f"block_rows / block_cols: expected >= 1, got {block_rows} / {block_cols}")
         self.backend = backend
         self.block_rows, self.block_cols = block_rows, block_cols
+        self.gather_elements = gather_elements   # weight rows gathered per support_values step
         self.name = f"chunked-{backend.name}"
         # the objective on [N, K] support tensors: the torch version (a backend may bring its own)
         self.sparse_backend = backend
@@ -83,7 +85,7 @@ class ChunkedLinearKd:
         if n == 0 or k == 0:
             return out
         cd = compute_dtype(x)
-        step = max(1, GATHER_ELEMENTS // max(1, k * x.shape[1]))
+        step = max(1, self.gather_elements // max(1, k * x.shape[1]))
         for rows in row_blocks(n, step):
             ids = local_ids[rows]
             rows_w = w[ids.clamp(min=0)].to(cd)                          # [r, K, H]

@@ -124,6 +124,7 @@ def test_fused_lm_head_step_matches_materialised_logits_at_pp2(models):
     (["loss.fused_lm_head=on", "teacher.teachers.0.backend=hf", "teacher.teachers.0.output=dense",
       "loss.support=null"], "^loss.fused_lm_head: 'on' needs the teacher"),
     (["loss.fused_lm_head=sometimes"], "^loss.fused_lm_head: expected one of"),
+    (["loss.lm_head_engine=fastest"], "^loss.lm_head_engine: expected one of"),
 ])
 def test_fused_lm_head_config_errors(models, overrides, match):
     from opkd_mcore.config import ConfigError, load_config
@@ -149,3 +150,32 @@ def test_auto_is_on_only_where_the_triton_tiles_run():
     Batch.teacher = DenseTeacher(torch.zeros(1, 1))
     with pytest.raises(ValueError, match="^loss.fused_lm_head: 'on' cannot run: the teacher hands over full"):
         fused_lm_head_plan(LossSection(fused_lm_head="on"), Batch, "cpu", torch.float32)
+    Batch.teacher = TopKTeacher(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1))
+    tiles = LossSection(fused_lm_head="on", support="teacher", lm_head_engine="tiles")
+    with pytest.raises(ValueError, match="cannot run: loss.lm_head_engine: tiles needs the Triton kernels"):
+        fused_lm_head_plan(tiles, Batch, "cpu", torch.float32)
+
+
+def test_lm_head_engine_rule():
+    """auto: the chunked engine for a dense teacher on the full vocabulary, the tiles (None: impl's
+    choice) for a sparse support; a named twin (cpp / torch) is never overridden."""
+    from opkd_mcore.config import LossSection
+    from opkd_mcore.losses import HiddenTeacher, TopKTeacher
+    from opkd_mcore.train.objective import lm_head_engine
+
+    hidden = HiddenTeacher(torch.zeros(2, 4), torch.zeros(8, 4))
+    topk = TopKTeacher(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1))
+    assert lm_head_engine(LossSection(), hidden) == "chunked"
+    assert lm_head_engine(LossSection(support="union", k=2), hidden) is None
+    assert lm_head_engine(LossSection(support="teacher"), topk) is None
+    assert lm_head_engine(LossSection(support="teacher", lm_head_engine="chunked"), topk) == "chunked"
+    assert lm_head_engine(LossSection(lm_head_engine="tiles"), hidden) is None
+    assert lm_head_engine(LossSection(impl="torch"), hidden) is None
+
+
+def test_chunked_engine_name_off_the_gpu_is_the_twin():
+    from opkd_kernels import cpu_backend
+    from opkd_kernels.fused_linear_kd import select_linear_engine
+
+    engine = select_linear_engine(torch.zeros(3, 4), "chunked")
+    assert engine.name == ("chunked-cpp" if cpu_backend.available() else "chunked-torch")

@@ -9,17 +9,13 @@ from transformers import AutoTokenizer
 
 from opkd_mcore.models.tiny import save_tiny_hf_model
 from opkd_mcore.rollout import RolloutConfig, SamplingConfig
-from tests.conftest import engine_kwargs
+from tests.conftest import VLLM_FP32_LOGPROB_ATOL, engine_kwargs
 
 pytestmark = pytest.mark.vllm
 
 CHAT_TEMPLATE = "<bos>{% for m in messages %}{{ m['content'] }}={% endfor %}"
 PROMPTS = [[1, 4, 5, 6], [1, 7, 8], [1, 9, 10, 11, 12]]
-# float32 engine vs float64 transformers. On CPU: float32 rounding of logits of size ~5 over a
-# 256-entry softmax, well inside 2e-3. On a GPU, vLLM's Triton attention multiplies float32 inputs
-# in TF32 (10-bit mantissa, unit roundoff 2^-11 ~ 4.9e-4, relative), which moves logprobs of this
-# size by a few 1e-3 (2.6e-3 seen on an H200): the bound follows the arithmetic of the device.
-LOGPROB_ATOL = 6e-3 if torch.cuda.is_available() else 2e-3
+LOGPROB_ATOL = VLLM_FP32_LOGPROB_ATOL   # why it depends on the device: tests/conftest.py
 
 
 @pytest.fixture(scope="module")

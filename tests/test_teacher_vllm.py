@@ -7,7 +7,7 @@ import torch
 from opkd_mcore.losses.teacher_outputs import PAD_ID, TopKTeacher
 from opkd_mcore.models.tiny import save_tiny_hf_model
 from opkd_mcore.teacher.base import MalformedTeacherOutputError, topk_from_ranked
-from tests.conftest import engine_kwargs
+from tests.conftest import VLLM_FP32_LOGPROB_ATOL, engine_kwargs
 
 pytestmark = pytest.mark.vllm
 
@@ -39,7 +39,7 @@ def reference_logprobs(model_dir, seq, temperature=1.0):
     return torch.log_softmax(logits / temperature, dim=-1)
 
 
-def assert_same_topk(got: TopKTeacher, ref_logprobs: torch.Tensor, k: int, atol=2e-3):
+def assert_same_topk(got: TopKTeacher, ref_logprobs: torch.Tensor, k: int, atol=VLLM_FP32_LOGPROB_ATOL):
     """Same top-k as the reference up to near-ties: values match the reference's sorted top-k,
     and the reference gives each returned id the returned logprob."""
     ref_vals, _ = ref_logprobs.topk(k, dim=-1)

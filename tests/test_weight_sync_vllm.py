@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
+from opkd_mcore.platform import is_cpu
 from opkd_mcore.weight_sync import BucketPlan, PlanMismatchError, TransportConfig, WeightSender, make_transport
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from opkd_mcore.weight_sync.receiver import VllmWeightReceiver
@@ -178,11 +179,33 @@ def test_sync_matches_source_bitwise_and_fresh_engine(engine, checkpoints):
     assert stats_2["buffer_allocations"] == stats_1["buffer_allocations"] == 2
     assert stats_2["buffer_ptrs"] == stats_1["buffer_ptrs"]
     assert stats_2["last_version"] == 2 and stats_2["weights_consistent"]
-    # the per-phase host times a GPU profile reads: each inside the whole sync, the engine's own
-    # reload set-up/finalize and its loads both took time
-    assert 0 < stats_2["last_load_s"] and 0 < stats_2["last_reload_s"]
+    # a dense unquantized model loads in place off the CPU; the CPU engine repacks, so layerwise
+    assert stats_2["load_mode"] == ("layerwise" if is_cpu() else "direct")
+    # the per-phase host times a GPU profile reads: each inside the whole sync, the engine's loads
+    # (and, layerwise, its reload set-up/finalize) took time
+    assert 0 < stats_2["last_load_s"]
+    assert (0 < stats_2["last_reload_s"]) == (stats_2["load_mode"] == "layerwise")
     assert stats_2["last_load_s"] + stats_2["last_wait_s"] <= stats_2["last_sync_s"]
     transport.close()
+
+
+def test_engine_load_mode_is_direct_only_where_processing_is_a_noop():
+    """The rule that picks in-place loading, on vLLM's own method classes (no engine needed)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from opkd_mcore.weight_sync.receiver import engine_load_mode
+
+    class RepackingMethod(UnquantizedLinearMethod):  # e.g. a platform plugin's re-layout
+        def process_weights_after_loading(self, layer):
+            layer.weight.data = layer.weight.data.t().contiguous()
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    model[0].quant_method, model[1].quant_method = UnquantizedLinearMethod(), UnquantizedEmbeddingMethod()
+    assert engine_load_mode(model, on_cpu=False) == "direct"
+    assert engine_load_mode(model, on_cpu=True) == "layerwise"   # the CPU's linear layers repack
+    model[1].quant_method = RepackingMethod()
+    assert engine_load_mode(model, on_cpu=False) == "layerwise"
 
 
 @pytest.mark.parametrize("variant", ["dtype", "architecture"])

@@ -5,6 +5,8 @@ objective, all in one run, median ms and peak extra memory of
     gemm_rate  one bf16 GEMM [N, H] x [H, V/TP]: the device's rate for these shapes (TFLOP/s)
     gemms      the GEMMs alone: student logits, teacher logits (dense), dh = G W, dW = G^T h
     fused      opkd_kernels.fused_linear_kd (Triton tiles), gradients of h and W
+    chunkedNk  the same function with the chunked engine: cuBLAS GEMMs into [N, N_k] float32 logits
+               blocks (all rows, N_k vocabulary columns) + the Triton row kernels (chunked4k/8k/16k)
     unfused    the same GEMMs with materialised logits + this project's logits kernel (fused_kd)
     compiled   torch.compile of the unfused torch objective (TP=1)
     liger      Liger-Kernel's LigerFusedLinearJSD (TP=1, dense; jsd_beta 0 = forward KL), if importable
@@ -29,7 +31,7 @@ LM_HEAD_OBJECTIVES = {
     "jsd": dict(divergence="jsd", beta=0.5),
     "topk256": dict(support="teacher", mass="renorm", k_teacher=256),
 }
-LM_HEAD_METHODS = "gemm_rate,gemms,fused,unfused,compiled,liger,cce"
+LM_HEAD_METHODS = "gemm_rate,gemms,fused,chunked8k,unfused,compiled,liger,cce"
 
 
 def make_lm_head_inputs(n, hidden, vocab, tp, rank, dtype, obj):
@@ -81,11 +83,35 @@ def m_fused(h, w, dense, topk, obj, group):
         loss = fused_linear_kd_loss(hl, wl, *(dense or (None, None)), *(topk or (None, None)), spec=spec,
                                     tp_group=group, backend="triton")
         return torch.autograd.grad(loss.sum(), (hl, wl))
+    return run, _recompute_flops(h, w, dense, spec)
+
+
+def _recompute_flops(h, w, dense, spec):
+    """GEMM FLOPs of an engine that recomputes the logits in backward (tiles and chunked)."""
     jsd = spec.divergence == "jsd"
     # student: stats (+ JSD sums) + the backward's recompute + dh + dW; teacher: stats (+ JSD) + recompute
     student = (5 if jsd else 4) * h.shape[1]
     teacher = (3 if jsd else 2) * dense[0].shape[1] if dense else 0
-    return run, 2 * h.shape[0] * w.shape[0] * (student + teacher)
+    return 2 * h.shape[0] * w.shape[0] * (student + teacher)
+
+
+def m_chunked(block_cols: int):
+    """The chunked engine on the GPU: cuBLAS GEMMs into [N, C] float32 logits blocks, Triton row kernels."""
+    def make(h, w, dense, topk, obj, group):
+        from opkd_kernels.linear_kd_chunked import ChunkedLinearKd
+        from opkd_kernels.triton_backend import TritonKdBackend
+
+        engine = ChunkedLinearKd(TritonKdBackend(), block_rows=h.shape[0], block_cols=block_cols,
+                                 gather_elements=1 << 26)
+        hl, wl = _leaves(h, w)
+        spec = _spec(obj)
+
+        def run():
+            loss = fused_linear_kd_loss(hl, wl, *(dense or (None, None)), *(topk or (None, None)), spec=spec,
+                                        tp_group=group, backend=engine)
+            return torch.autograd.grad(loss.sum(), (hl, wl))
+        return run, _recompute_flops(h, w, dense, spec)
+    return make
 
 
 def m_unfused(h, w, dense, topk, obj, group):
@@ -133,7 +159,7 @@ def m_liger(h, w, dense, topk, obj, group):
     hl, wl = _leaves(h, w)
 
     def run():
-        return torch.autograd.grad(jsd(hl, wl, dense[0], dense[1]), (hl, wl))
+        return torch.autograd.grad(jsd(hl, wl, dense[0], dense[1], None), (hl, wl))  # no labels: every row
     return run, None
 
 
@@ -153,7 +179,9 @@ def m_cce(h, w, dense, topk, obj, group):
 
 
 LM_HEAD_METHOD_FNS = {"gemm_rate": m_gemm_rate, "gemms": m_gemms, "fused": m_fused, "unfused": m_unfused,
-                      "compiled": m_compiled, "liger": m_liger, "cce": m_cce}
+                      "compiled": m_compiled, "liger": m_liger, "cce": m_cce,
+                      "chunked4k": m_chunked(4096), "chunked8k": m_chunked(8192),
+                      "chunked16k": m_chunked(16384)}
 
 
 def bench_lm_head_cell(n, hidden, vocab, name, args, group, rank, tp, timed):

@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--teachers-with-rollout", action="store_true",
                    help="the teacher shares the rollout engine's device (2 GPUs: student | rollout+teacher)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each vLLM engine's share")
+    p.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help="comma-separated run.schedule values (colocated placement admits only sync)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides")
     return p.parse_args(argv)
@@ -70,7 +72,8 @@ def config_overrides(args, student: str, teacher: str, out: str) -> list[str]:
         f"teacher.teachers.0.backend={args.teacher_backend}", "teacher.teachers.0.top_k=8",
         "loss.support=teacher", f"parallel.tp={args.tp}", f"parallel.micro_batch_size={args.micro_batch}",
         f"parallel.global_batch_size={args.prompts * args.n}", f"rollout.prompts_per_step={args.prompts}",
-        f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_model_len=128",
+        f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.max_model_len={max(128, args.max_new_tokens + 64)}",   # prompts are < 64 tokens
         f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}", "data.num_train=512",
         "logging.progress_bar=false", "logging.console_every=0", "logging.jsonl=false",
         "checkpoint.save_at_end=false", "checkpoint.export_hf_at_end=false", f"run.steps={args.steps}",
@@ -116,7 +119,7 @@ def main(argv=None) -> int:
     try:
         groups = WorkerGroups(cfg, launch_world_size(cfg))
         startup_s = time.perf_counter() - start
-        for schedule in SCHEDULES:
+        for schedule in args.schedules.split(","):
             run_cfg = load_config(None, base + [f"run.schedule={schedule}",
                                                 f"run.output_dir={os.path.join(root, schedule)}"])
             history = RayController(run_cfg, groups=groups).run()

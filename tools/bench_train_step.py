@@ -73,13 +73,14 @@ def _timed_steps(engine, batch, loss_fn, iters: int) -> tuple[list[float], int]:
 def _loss_alone(batch, loss_fn, v_local: int, iters: int) -> float:
     """Forward + backward of the loss on bf16 logits of the step's shape (no model)."""
     logits = torch.randn(batch.num_tokens, v_local, device="cuda", dtype=torch.bfloat16)
+    on_device = batch.to("cuda")   # outside the timed region: a dense teacher's logits are GBs
     times = []
     for i in range(iters + 1):
         z = logits.clone().requires_grad_()
         out = z * 1.0  # a non-leaf, as the model's output is: the gradient is written in place
         torch.cuda.synchronize()
         start = time.perf_counter()
-        loss, _ = loss_fn(out, batch.to("cuda"))
+        loss, _ = loss_fn(out, on_device)
         loss.backward()
         torch.cuda.synchronize()
         if i:

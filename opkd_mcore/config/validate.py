@@ -40,6 +40,7 @@ from opkd_mcore.config.schema import (
     HIDDEN_BACKENDS,
     IN_FLIGHT_UPDATES,
     KL_ESTIMATORS,
+    LM_HEAD_ENGINES,
     LOSS_FORMS,
     LOSS_IMPLS,
     MASSES,
@@ -245,6 +246,7 @@ def _check_fused_lm_head(cfg: TrainConfig) -> None:
     loss = cfg.loss
     mode = fused_lm_head_mode(loss.fused_lm_head)
     choice("loss.fused_lm_head", mode, FUSED_LM_HEAD_MODES)
+    choice("loss.lm_head_engine", loss.lm_head_engine, LM_HEAD_ENGINES)
     if mode != "on":
         return
     if loss.form != "logit":

@@ -135,13 +135,29 @@ def fused_lm_head_plan(loss: LossSection, batch: PackedBatch, device, dtype: tor
             why = f"no fused LM-head kernel takes {dtype}"
         elif mode == "auto" and engine != "triton":
             why = f"auto turns it on where the Triton tiles run; here the chunked {engine} twin would (use on)"
+        elif loss.lm_head_engine == "tiles" and engine != "triton":
+            why = f"loss.lm_head_engine: tiles needs the Triton kernels; here the chunked {engine} twin runs"
     if why is not None:
         if mode == "on":
             raise ValueError(f"loss.fused_lm_head: 'on' cannot run: {why}")
         _say_lm_head(f"off ({why})")
         return False
-    _say_lm_head(f"on ({engine} engine)")
+    _say_lm_head(f"on ({engine} kernels, lm_head_engine: {loss.lm_head_engine})")
     return True
+
+
+def lm_head_engine(loss: LossSection, teacher) -> str | None:
+    """The fused LM head's engine for `teacher`: "chunked", or None for `loss.impl`'s choice (the
+    Triton tiles on a GPU, the chunked twin elsewhere). `auto` takes the chunked engine for a dense
+    teacher's hidden states on the full vocabulary, where its cuBLAS GEMMs beat the tiles, and the
+    tiles for a sparse support, where they are faster and smaller (docs/benchmarks.md)."""
+    if _engine_impl(loss.impl) not in ("auto", "triton"):   # cpp / torch named: the twin, as asked
+        return None
+    if loss.lm_head_engine == "chunked":
+        return "chunked"
+    if loss.lm_head_engine == "auto" and isinstance(teacher, HiddenTeacher) and loss.support is None:
+        return "chunked"
+    return None
 
 
 def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group):
@@ -157,7 +173,8 @@ def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group):
         head.hidden, head.weight, teacher, divergence=loss.divergence, beta=loss.beta,
         temperature=loss.temperature, support=loss.support, k=loss.k, mass=loss.mass,
         coverage_coef=loss.coverage_coef, tp_group=tp_group, impl=_engine_impl(loss.impl),
-        validate=isinstance(teacher, TopKTeacher), vocab_end=head.vocab_size)
+        validate=isinstance(teacher, TopKTeacher), vocab_end=head.vocab_size,
+        engine=lm_head_engine(loss, teacher))
     metrics = {"kd/teacher_mass_on_support": stats.teacher_mass,
                "kd/student_mass_on_support": stats.student_mass}
     if isinstance(teacher, HiddenTeacher):  # dense teacher: agreement and NaN rows from the stats pass

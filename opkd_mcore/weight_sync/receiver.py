@@ -6,10 +6,12 @@ the driver then reaches these methods with `llm.collective_rpc(name, args=...)` 
 
 Why not vLLM's native weight-transfer API: its engines are configured at engine start, its
 collective engine is tied to one GPU backend (nothing for CPU groups or other accelerators), and
-the API changed twice in a year. We use
-the lower layer it is built on, layerwise reload (`initialize_layerwise_reload` → `load_weights`
-per bucket → `finalize_layerwise_reload`), which also handles CPU backends that repack linear
-weights after loading (a plain `load_weights` into such an engine fails).
+the API changed twice in a year. We use the layers it is built on: `model.load_weights` per
+bucket straight into the engine's tensors where vLLM's processing after loading is a no-op (dense
+unquantized models on GPUs: one copy per tensor, no allocation), and layerwise reload
+(`initialize_layerwise_reload` → `load_weights` per bucket → `finalize_layerwise_reload`)
+everywhere else, e.g. on CPU backends that repack linear weights after loading (a plain
+`load_weights` into such an engine fails). `engine_load_mode` decides.
 """
 from __future__ import annotations
 
@@ -115,6 +117,42 @@ def _cpu_moe_prepack_on_update(model):
             del method.process_weights_after_loading
 
 
+def _processing_is_noop(method) -> bool:
+    """True for vLLM's unquantized linear / embedding methods, whose processing after loading
+    does nothing off the CPU (on the CPU it repacks the weights for its GEMM library)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    process = getattr(type(method), "process_weights_after_loading", None)
+    return process in (UnquantizedLinearMethod.process_weights_after_loading,
+                       UnquantizedEmbeddingMethod.process_weights_after_loading)
+
+
+def engine_load_mode(model, on_cpu: bool) -> str:
+    """How a sync loads into the engine's model: "direct" or "layerwise".
+
+    "direct" is `model.load_weights` straight into the engine's tensors (each weight loader copies
+    its slice in place), as verl and vLLM's own RLHF examples do. It is exact only where vLLM's
+    processing after loading is a no-op, so it is chosen only then: off the CPU, and every layer
+    that owns weights uses the unquantized linear / embedding method (a subclass that overrides
+    the processing, a quantized layer or a fused-MoE layer, whose kernel set-up may re-layout its
+    experts, all keep "layerwise"). "layerwise" is vLLM's layerwise reload: each layer is
+    rebuilt, loaded, processed and copied back (needed on the CPU, whose linear layers repack).
+    Attention modules own no checkpoint weights in an unquantized model and are not consulted.
+    """
+    from vllm.model_executor.layers.attention import Attention
+
+    if on_cpu:
+        return "layerwise"
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or isinstance(module, Attention):
+            continue
+        if not _processing_is_noop(method):
+            return "layerwise"
+    return "direct"
+
+
 class VllmWeightReceiver:
     """Mixed into vLLM's worker class; `self` is the worker (model_runner, model_config, rank)."""
 
@@ -135,8 +173,13 @@ class VllmWeightReceiver:
     def opkd_receive_weights(self) -> int:
         """Receive one full sync into the model; returns the weight version now loaded."""
         receiver = self._opkd_receiver_or_raise()
-        initialize, finalize = _layerwise_reload_api()
         model = self.model_runner.model
+        if self._opkd_load_mode() == "direct":
+            version = receiver.receive(lambda named: model.load_weights(weights=named))
+            self._opkd_reload_s = 0.0
+            logger.info("loaded weight version %d (direct)", version)
+            return version
+        initialize, finalize = _layerwise_reload_api()
         start = time.perf_counter()
         initialize(model)
         self._opkd_reload_s = time.perf_counter() - start
@@ -164,7 +207,17 @@ class VllmWeightReceiver:
         stats["weights_consistent"] = self._opkd_weights_consistent
         # host seconds of the last sync in vLLM's layerwise reload set-up and finalize
         stats["last_reload_s"] = getattr(self, "_opkd_reload_s", 0.0)
+        stats["load_mode"] = self._opkd_load_mode()
         return stats
+
+    def _opkd_load_mode(self) -> str:
+        mode = getattr(self, "_opkd_mode", None)
+        if mode is None:
+            from vllm.platforms import current_platform
+
+            mode = self._opkd_mode = engine_load_mode(self.model_runner.model, current_platform.is_cpu())
+            logger.info("weight sync loads into the engine %s", mode)
+        return mode
 
     def opkd_close_weight_sync(self) -> None:
         receiver = getattr(self, "_opkd_receiver", None)

@@ -32,8 +32,10 @@ fi
 ln -sfn "$root/kernels" /tmp/site/opkd_kernels
 if [ -f /tmp/vllm-site/.ok ]; then  # installed by an earlier call: the parts need not travel again
   echo "export PYTHONPATH=/tmp/vllm-site\${PYTHONPATH:+:\$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn"
-else
+elif [ -d .vllm-parts/p2 ]; then
   bash .vllm-parts/p2/vllm-bundle.sh install .vllm-parts/p2
+else  # the calls that carry p0 / p1 run the work that needs no vLLM (kernels, Megatron)
+  echo "env.sh: vLLM not installed yet (carry .vllm-parts/p2 after p0 and p1)" >&2
 fi
 echo "export PYTHONPATH=$root:/tmp/site:\${PYTHONPATH:-} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1"\
      "NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Here (not on the GPU machine): the wheels `tools/gpu/env.sh` installs there (ignored by git;
-# carried with the device tool). Python 3.12, x86_64.
+# carried with the device tool). Python 3.12, x86_64. Liger-Kernel and Cut Cross-Entropy are the
+# baselines of `bench_kernels.py --mode lm_head`; they are benchmarked there, never imported by the trainer.
 #
-#   bash tools/gpu/wheels.sh        # .whl/: megatron-core and the vLLM server's imports that the vLLM
-#                                   # bundle (../shared/device/vllm-bundle.sh) does not pack
+#   bash tools/gpu/wheels.sh        # .whl/: megatron-core, the vLLM server's imports that the vLLM
+#                                   # bundle (../shared/device/vllm-bundle.sh) does not pack, and the
+#                                   # LM-head benchmark's baselines
 #   bash tools/gpu/wheels.sh ray    # .whl-ray/a and .whl-ray/b: Ray and its imports, split in two
 #                                   # halves under the 64 MiB a device call carries (the wheel is 79 MB)
 #
@@ -32,5 +34,6 @@ fi
 mkdir -p .whl
 python3 -m pip download -q "${PLAT[@]}" -d .whl \
     megatron-core==0.16.1 uvicorn==0.54.0 watchfiles==1.3.0 prometheus-fastapi-instrumentator==8.1.0 \
-    python-multipart==0.0.34
+    python-multipart==0.0.34 model-hosting-container-standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0 \
+    liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 ls .whl
