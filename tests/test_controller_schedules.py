@@ -191,7 +191,13 @@ def test_async_partial_rollout_keeps_per_token_versions(cluster):
         versions = [v for v, _ in r["token_versions"]]
         assert versions == sorted(set(versions)) and versions[0] == r["version_generated"]
         assert versions[-1] <= r["version_trained"] and sum(c for _, c in r["token_versions"]) <= 24
-    assert max(r["version_trained"] - r["version_generated"] for r in rows) <= 1
+    # the bound holds for what is trained; a response resumed across two updates (its oldest token
+    # two versions behind, which depends on timing) is dropped, said so, and generated again
+    trained = [r for r in rows if not r["dropped"]]
+    assert max(r["version_trained"] - r["version_generated"] for r in trained) <= 1
+    for r in rows:
+        if r["dropped"]:
+            assert r["version_trained"] - r["version_generated"] > 1 and r["reason"].startswith("stale: "), r
 
 
 def test_rollout_and_teacher_actors_killed_mid_step_lose_no_sample(cluster):

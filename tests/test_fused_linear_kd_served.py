@@ -116,6 +116,10 @@ def test_remote_hidden_teacher_reads_vllm_bytes_responses(models):
     for s, x, r in zip(seqs, states, rows):
         assert r.hidden.shape == (len(s) - 1, 96)   # row t scores token t+1: the last position scores nothing
         torch.testing.assert_close(r.hidden, x[:-1].to(torch.bfloat16), rtol=0, atol=0)
+    # response bodies: 2 H bytes a position (bf16; the 2-token probe of the mode included) and
+    # the model listing's JSON
+    listing = len(json.dumps({"data": [{"id": "teacher"}]}))
+    assert teacher.stats["wire_bytes"] == (sum(map(len, seqs)) + 2) * 96 * 2 + listing
     scoring = [q for q in seen if q["input"] in (seqs[:2], seqs[2:])]
     assert scoring and all(q["encoding_format"] == "bytes" and q["embed_dtype"] == "bfloat16"
                            and q["task"] == "token_embed" for q in scoring)

@@ -1,12 +1,15 @@
 """Teacher scoring throughput: in-process vLLM vs a remote vLLM OpenAI server, per top-k.
 
 Scores `--num-seqs` random sequences of `--seq-len` tokens with top-k prompt logprobs for each k
-in `--ks` and reports scored tokens/s. For the remote path it also reports how much of the client
-time per request goes to JSON decoding (`json.loads` of the response) and to turning the decoded
-rows into tensors. The server is started with `--max-logprobs max(ks)` (256 needs it raised from
-vLLM's default of 20) and prefix caching off, exactly as `opkd teacher-serve` does.
+in `--ks` and reports scored tokens/s. For the remote path it also reports the response bytes per
+scored token (what the network carries) and how much of the client time per request goes to JSON
+decoding (`json.loads` of the response) and to turning the decoded rows into tensors. The server
+is started with `--max-logprobs max(ks)` (256 needs it raised from vLLM's default of 20) and prefix
+caching off, exactly as `opkd teacher-serve` does. `--hidden` adds a second server started as
+`opkd teacher-serve --output hidden` (final-norm hidden states in bf16 for exact dense KD, the
+trainer holding the output weight), measured the same way: bytes per token 2 x hidden size.
 
-    python tools/bench_teacher.py [--model DIR] [--ks 20,64,256] [--out bench_teacher.json]
+    python tools/bench_teacher.py [--model DIR] [--ks 20,64,256] [--hidden] [--out bench_teacher.json]
 
 Without `--model`, a random tiny Qwen3 checkpoint (vocab 1024, head_dim 64) is made in a temp dir.
 """
@@ -36,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=float, default=900, help="remote: per-request timeout")
     p.add_argument("--skip-inprocess", action="store_true", help="only the remote path")
     p.add_argument("--skip-remote", action="store_true", help="only the in-process path")
+    p.add_argument("--hidden", action="store_true", help="remote: also a hidden-state server (exact dense KD)")
     p.add_argument("--out", default="bench_teacher.json", help="JSON results file")
     return p.parse_args(argv)
 
@@ -88,25 +92,28 @@ def _free_port() -> int:
 
 
 def bench_remote(model_dir, seqs, ks, repeats, batch_size, concurrency, timeout_s,
-                 log_path) -> list[dict]:
+                 log_path, output: str = "topk") -> list[dict]:
     from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher
     from opkd_mcore.teacher.serve import TeacherServer, TeacherServerConfig
 
     cfg = TeacherServerConfig(model=model_dir, k=max(ks), port=_free_port(), dtype="float32",
-                              max_model_len=max(map(len, seqs)) + 8)
+                              max_model_len=max(map(len, seqs)) + 8, output=output)
     tokens = sum(map(len, seqs))
     rows = []
     with TeacherServer(cfg, log_path=log_path) as server:
         server.wait_ready(timeout_s=900)
-        for k in tqdm(ks, desc="remote"):
+        for k in tqdm(ks if output == "topk" else [None], desc=f"remote {output}"):
             client = RemoteVllmTeacher(RemoteTeacherConfig(
-                url=server.url, k=k, batch_size=batch_size, max_concurrency=concurrency,
-                timeout_s=timeout_s, max_retries=0))
+                url=server.url, k=k or 1, batch_size=batch_size, max_concurrency=concurrency,
+                timeout_s=timeout_s, max_retries=0, output=output))
             client.score(seqs[:1])  # server check + warm-up, not counted
+            before = client.stats["wire_bytes"]
             seconds = timed(lambda: client.score(seqs), repeats)
             s = client.stats
             client_s = s["http_s"] + s["json_decode_s"] + s["parse_s"]
-            rows.append({"path": "remote", "k": k, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            rows.append({"path": "remote" if output == "topk" else "remote-hidden", "k": k, "seconds": seconds,
+                         "tokens_per_s": tokens / seconds,
+                         "bytes_per_token": (s["wire_bytes"] - before) / (tokens * (repeats + 1)),
                          "json_decode_share": s["json_decode_s"] / client_s,
                          "rows_to_tensors_share": s["parse_s"] / client_s})
             print(json.dumps(rows[-1]), flush=True)
@@ -129,14 +136,21 @@ def main(argv=None) -> int:
         if not args.skip_remote:
             rows += bench_remote(model_dir, seqs, ks, args.repeats, args.batch_size, args.concurrency,
                                  args.timeout_s, os.path.join(tmp, "server.log"))
+            if args.hidden:
+                rows += bench_remote(model_dir, seqs, ks, args.repeats, args.batch_size, args.concurrency,
+                                     args.timeout_s, os.path.join(tmp, "server_hidden.log"), output="hidden")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": host_platform.node(),
             "cpus": os.cpu_count(), "num_seqs": args.num_seqs, "seq_len": args.seq_len,
             "vocab": vocab, "model": args.model or "tiny qwen3 (vocab 1024, hidden 256, 2 layers)"}
-    print(f"{'path':<11} {'k':>4} {'tokens/s':>10} {'s/call':>8} {'json share':>10} {'rows share':>10}")
+    print(f"{'path':<13} {'k':>6} {'tokens/s':>10} {'s/call':>8} {'B/token':>8} {'json share':>10} "
+          f"{'rows share':>10}")
     for r in rows:
         share = f"{r['json_decode_share']:.1%}" if "json_decode_share" in r else "-"
         parse = f"{r['rows_to_tensors_share']:.1%}" if "rows_to_tensors_share" in r else "-"
-        print(f"{r['path']:<11} {r['k']:>4} {r['tokens_per_s']:>10.0f} {r['seconds']:>8.3f} {share:>10} {parse:>10}")
+        wire = f"{r['bytes_per_token']:.0f}" if "bytes_per_token" in r else "-"
+        k = "hidden" if r["k"] is None else r["k"]
+        print(f"{r['path']:<13} {k:>6} {r['tokens_per_s']:>10.0f} {r['seconds']:>8.3f} {wire:>8} {share:>10} "
+              f"{parse:>10}")
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=2)
     print(f"wrote {args.out}")

@@ -125,8 +125,9 @@ class RemoteVllmTeacher(Teacher):
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()  # apart from _lock, which check_server holds across calls
         self._counter = 0
+        # wire_bytes: response bodies received (what a scored token costs on the network)
         self.stats = {"requests": 0, "retries": 0, "tokens": 0, "http_s": 0.0, "json_decode_s": 0.0,
-                      "parse_s": 0.0}
+                      "parse_s": 0.0, "wire_bytes": 0}
 
     @property
     def address(self) -> str:
@@ -166,10 +167,11 @@ class RemoteVllmTeacher(Teacher):
                 data, headers = self._request(path, body)
                 t1 = time.perf_counter()
                 if raw:
-                    self._add_stats(http_s=t1 - t0)
+                    self._add_stats(http_s=t1 - t0, wire_bytes=len(data))
                     return data, headers.get("metadata", "")
                 payload = json.loads(data)
-                self._add_stats(http_s=t1 - t0, json_decode_s=time.perf_counter() - t1)
+                self._add_stats(http_s=t1 - t0, json_decode_s=time.perf_counter() - t1,
+                                wire_bytes=len(data))
                 return payload
             except _HttpStatusError as err:
                 if err.code < 500:

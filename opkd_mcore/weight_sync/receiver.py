@@ -175,9 +175,11 @@ class VllmWeightReceiver:
         receiver = self._opkd_receiver_or_raise()
         model = self.model_runner.model
         if self._opkd_load_mode() == "direct":
-            version = receiver.receive(lambda named: model.load_weights(weights=named))
             self._opkd_reload_s = 0.0
-            logger.info("loaded weight version %d (direct)", version)
+            self._opkd_weights_consistent = False   # until every bucket is in: a failure leaves a mix
+            version = receiver.receive(lambda named: model.load_weights(weights=named))
+            self._opkd_weights_consistent = True
+            logger.info("loaded weight version %d (in place)", version)
             return version
         initialize, finalize = _layerwise_reload_api()
         start = time.perf_counter()
