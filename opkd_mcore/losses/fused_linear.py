@@ -145,7 +145,8 @@ def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teache
                               teacher_vocab_end: int | None = None, engine=None):
     """`(per-token loss [N], LinearKDStats | None)`; stats are None on the reference path.
 
-    `engine`: an `opkd_kernels` engine object overriding `impl` (tests and benchmarks set block sizes)."""
+    `engine`: overrides `impl`: an `opkd_kernels` engine object (tests and benchmarks set block sizes)
+    or a name `select_linear_engine` takes (the trainer passes "chunked", `loss.lm_head_engine`)."""
     opts = dict(divergence=divergence, beta=beta, temperature=temperature, support=support, k=k, mass=mass,
                 coverage_coef=coverage_coef)
     _check(hidden, weight, teacher, k=k, tp_group=tp_group, validate=validate, opts=opts, impl=impl)
