@@ -82,6 +82,13 @@ def test_shipped_configs_validate(tmp_path, monkeypatch):
 
     demo = load_config(demo_config_path(), check_files=False)
     assert demo.teacher.teachers[0].backend == "vllm"
+    # `opkd demo` on an accelerator: the teacher in the student's step, the same top-k objective
+    from opkd_mcore.train.demo import accelerator_overrides
+
+    gpu = load_config(demo_config_path(), accelerator_overrides(demo.teacher.teachers[0].top_k),
+                      check_files=False)
+    assert gpu.teacher.teachers[0].backend == "megatron" and gpu.loss.k == demo.teacher.teachers[0].top_k
+    assert (gpu.loss.support, gpu.loss.mass) == (demo.loss.support, demo.loss.mass)
 
 
 @pytest.mark.parametrize("overrides, key_path, fragment", [

@@ -53,8 +53,8 @@ case "${1:-}" in
         --bucket-mb 1024 --iters 5 --json "$OUT/e2e_$2_$3.json" > "$OUT/e2e_$2_$3.log" 2>&1
     grep -A3 "^| layout" "$OUT/e2e_$2_$3.log" || tail -20 "$OUT/e2e_$2_$3.log" ;;
   models)
-    python3 tools/make_model.py --shape qwen3-0.6b --out /tmp/models/qwen3-0.6b --seed 1
-    python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 ;;
+    python3 tools/make_model.py --shape qwen3-0.6b --out /tmp/models/qwen3-0.6b --seed 1 --device cuda
+    python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 --device cuda ;;
   train1)
     t=${TAG:-}
     gpu_memory_log "$OUT/train1_vllm$t.log" python3 -m opkd_mcore.cli train --config $CFG \
