@@ -280,22 +280,35 @@ def _run_train(models, name, nproc, *overrides):
         return [json.loads(line) for line in f], proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_megatron_teacher_matches_hf_teacher_at_tp1_tp2_pp2_tp2pp2(models):
+@pytest.fixture(scope="module")
+def hf_dense_losses(models):
+    """The reference of the Megatron-teacher layouts: the same run with the `transformers` teacher."""
     hf, _ = _run_train(models, "hf_dense", 1, "teacher.teachers.0.backend=hf", "teacher.teachers.0.output=dense")
-    tp1, log = _run_train(models, "megatron_tp1", 1)
-    assert "loss: fused kernels (cpp)" in log
-    tp2, _ = _run_train(models, "megatron_tp2", 2, "parallel.tp=2")
-    pp2, _ = _run_train(models, "megatron_pp2", 2, "parallel.pp=2")
-    # the scale run's layout (issue 15) with 4 CPU processes standing in for 4 GPUs
-    tp2pp2, _ = _run_train(models, "megatron_tp2pp2", 4, "parallel.tp=2", "parallel.pp=2")
     reference = [row["train/loss"] for row in hf]
     assert len(reference) == 3 and reference[-1] < reference[0]
-    for run in (tp1, tp2, pp2, tp2pp2):
-        assert [row["train/loss"] for row in run] == pytest.approx(reference, rel=1e-4)
-        assert all(row["teacher/nonfinite_rows"] == 0 and "teacher/top1_agreement" in row for row in run)
-        assert all(row["timing/teacher"] == 0.0 for row in run)  # scored inside the step
+    return reference
+
+
+# the fused loss kernels `opkd train` picks by default: Triton on a GPU, the C++ twin on CPU
+DEFAULT_FUSED = "triton" if torch.cuda.is_available() else "cpp"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("name, nproc, overrides", [
+    ("tp1", 1, ()),
+    ("tp2", 2, ("parallel.tp=2",)),
+    ("pp2", 2, ("parallel.pp=2",)),
+    # the scale run's layout (issue 15) with 4 CPU processes standing in for 4 GPUs
+    ("tp2pp2", 4, ("parallel.tp=2", "parallel.pp=2")),
+])
+def test_megatron_teacher_matches_hf_teacher(models, hf_dense_losses, name, nproc, overrides):
+    require_devices(nproc)
+    run, log = _run_train(models, f"megatron_{name}", nproc, *overrides)
+    assert f"loss: fused kernels ({DEFAULT_FUSED})" in log
+    assert [row["train/loss"] for row in run] == pytest.approx(hf_dense_losses, rel=1e-4)
+    assert all(row["teacher/nonfinite_rows"] == 0 and "teacher/top1_agreement" in row for row in run)
+    assert all(row["timing/teacher"] == 0.0 for row in run)  # scored inside the step
 
 
 @pytest.mark.slow
@@ -309,6 +322,10 @@ def test_policy_gradient_form_at_temperature_07_with_task_rewards(models):
                          "loss.support=teacher", "loss.task_reward_coef=0.5",
                          "data.rewards={addition: 'tests.test_train_data:reward_for_test'}", "run.steps=2")
     first = rows[0]
-    assert first["pg/abs_log_ratio"] < 1e-4 and first["pg/clip_fraction"] == 0.0
+    # mean |log r| over the batch: float32 rounding on CPU; on a GPU vLLM's attention multiplies in
+    # TF32 (VLLM_FP32_LOGPROB_ATOL), 1.04e-4 seen on an H100. Mixing up the temperature instead
+    # (logprobs of z / 0.7 against z) moves it by ~0.08 on this student (its logits: std 0.22).
+    assert first["pg/abs_log_ratio"] < (1e-3 if torch.cuda.is_available() else 1e-4)
+    assert first["pg/clip_fraction"] == 0.0
     assert first["reward/mean"] > 0 and first["train/update_applied"] == 1.0
     assert "teacher/top1_agreement" in first

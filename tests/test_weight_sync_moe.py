@@ -21,7 +21,7 @@ from opkd_mcore.rollout.vllm_rollout import shutdown_llm
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from opkd_mcore.weight_sync.receiver import VllmWeightReceiver
 from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle
-from tests._dist import free_port, run_distributed
+from tests._dist import free_port, require_devices, run_distributed
 from tests.conftest import engine_kwargs
 from tests.test_weight_sync_vllm import TRAIN_SEQUENCES, _ce_loss, greedy, hf_state
 
@@ -110,6 +110,8 @@ def _probe(llm) -> dict:
 
 def test_ep2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
     import vllm
+
+    require_devices(2)  # two EP ranks: one device each on an accelerator machine
 
     llm = vllm.LLM(checkpoint, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
                    **engine_kwargs(), worker_extension_cls=f"{__name__}.MoeReceiverForTest")

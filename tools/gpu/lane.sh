@@ -4,6 +4,8 @@
 #
 #   bash tools/gpu/lane.sh tests          # pytest -m "gpu or vllm": every vLLM test CI runs on CPU, on CUDA
 #                                         # (not the Ray-cluster tests: CPU bundles; `steps` is Ray on GPUs)
+#   bash tools/gpu/lane.sh tests1         # the same in three parts, tests1 / tests2 / tests3, each for
+#                                         # one 10-minute device call (the whole took ~15 min on an H100)
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -17,6 +19,7 @@
 #   bash tools/gpu/lane.sh steps          # the four Ray schedules (2 GPUs: student | rollout + teacher; Ray carried)
 #   bash tools/gpu/lane.sh steps1         # sync under Ray on 1 GPU, all colocated (controller.placement=colocated)
 #   bash tools/gpu/lane.sh moe1           # the MoE student at EP=1 on 1 GPU (fewer layers)
+#   bash tools/gpu/lane.sh rollout        # one rollout engine: in-process vs in a Ray actor, sleep on/off
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -47,6 +50,14 @@ case "${1:-}" in
     targets=("${@:2}"); [ ${#targets[@]} -eq 0 ] && targets=(tests/)
     python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rs "${targets[@]}" \
         --ignore-glob 'tests/test_controller_*' --ignore tests/test_rollout_ray.py 2>&1 | tee "$OUT/tests.log" ;;
+  tests1)
+    bash "$0" tests tests/test_demo.py tests/test_fused_linear_kd_gpu.py tests/test_fused_linear_kd_served.py \
+        tests/test_kernels_gpu.py tests/test_models_gpu.py tests/test_models_moe_e2e.py tests/test_rollout_vllm.py ;;
+  tests2)
+    bash "$0" tests tests/test_teacher_vllm.py tests/test_teacher_remote.py ;;
+  tests3)
+    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py tests/test_train_resume.py \
+        tests/test_weight_sync_moe.py ;;
   e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
     [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
@@ -100,11 +111,15 @@ case "${1:-}" in
         --schedules sync \
         --json "$OUT/bench_step1.json" controller.placement=colocated "${@:2}" > "$OUT/bench_step1.log" 2>&1
     tail -6 "$OUT/bench_step1.log" ;;
+  rollout)  # why the Ray controller's colocated rollout was 3.8x slower than in-process (needs `models`, Ray)
+    python3 tools/bench_rollout.py --model /tmp/models/qwen3-0.6b --json "$OUT/bench_rollout.json" "${@:2}" \
+        > "$OUT/bench_rollout.log" 2>&1; grep "^|" "$OUT/bench_rollout.log" || tail -20 "$OUT/bench_rollout.log"
+    pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore' ;;
   steps)  # bench_step on the models of `models`: needs Ray (tools/gpu/wheels.sh ray)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
         --teacher-backend vllm --teachers-with-rollout --prompts 32 --n 4 --max-new-tokens 256 --steps 6 \
         --json "$OUT/bench_step.json" "${@:2}" > "$OUT/bench_step.log" 2>&1
     tail -6 "$OUT/bench_step.log"
     pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|ray::' ;;  # a timed-out run leaves Ray holding GPUs
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,22p' "$0"; exit 2 ;;
 esac
