@@ -39,6 +39,7 @@ def generate_times(model: str, sleep: bool, prompts: int, n: int, max_new: int, 
                    memory: float) -> dict:
     """Seconds of each `generate` call of one engine (a sleep/wake cycle before the last when `sleep`)."""
     import torch
+    from transformers import AutoConfig
 
     from opkd_mcore.config import load_config
     from opkd_mcore.rollout.config import SamplingConfig
@@ -47,10 +48,8 @@ def generate_times(model: str, sleep: bool, prompts: int, n: int, max_new: int, 
     cfg = load_config(None, [f"model.student={model}", "model.params_dtype=bfloat16",
                              f"rollout.max_model_len={max_new + 64}",
                              f"rollout.gpu_memory_utilization={memory}"], validate=False)
-    engine = build_rollout(cfg, sleep_mode=sleep)
-    from transformers import AutoConfig
-
     vocab = AutoConfig.from_pretrained(model).vocab_size
+    engine = build_rollout(cfg, sleep_mode=sleep)
     batch = [[1 + (7 * i + j) % (vocab - 1) for j in range(5)] for i in range(prompts)]  # distinct prompts
     sampling = SamplingConfig(n=n, max_new_tokens=max_new)
     seconds, tokens = [], 0
@@ -74,7 +73,7 @@ class RolloutActor:
         return generate_times(*args)
 
 
-def in_ray_actor(args, run_args) -> dict:
+def in_ray_actor(run_args: tuple, device_share: float) -> dict:
     import ray
 
     from opkd_mcore.config.schema import ControllerSection
@@ -83,7 +82,7 @@ def in_ray_actor(args, run_args) -> dict:
     ray.init(address="local", include_dashboard=False)
     try:
         options = {"num_cpus": ControllerSection().cpus_per_worker, "max_concurrency": 4,
-                   **ray_actor_resources(None, args.gpu_memory_utilization)}
+                   **ray_actor_resources(None, device_share)}
         actor = ray.remote(**options)(RolloutActor).remote()
         return ray.get(actor.run.remote(*run_args))
     finally:
@@ -98,7 +97,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"--modes: {mode!r} is not one of {MODES}")
         run_args = (args.model, mode.endswith("_sleep"), args.prompts, args.n, args.max_new_tokens,
                     args.calls, args.gpu_memory_utilization)
-        results[mode] = in_ray_actor(args, run_args) if mode.startswith("ray") else generate_times(*run_args)
+        results[mode] = (in_ray_actor(run_args, args.gpu_memory_utilization) if mode.startswith("ray")
+                         else generate_times(*run_args))
     print("| mode | tokens per call | first call s | later calls s (median) | tokens/s | OMP threads |")
     print("| --- | --- | --- | --- | --- | --- |")
     for mode, r in results.items():

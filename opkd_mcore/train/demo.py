@@ -9,7 +9,7 @@
    `transformers` from the checkpoints; a table, `summary.json`, `metrics.jsonl`, a PNG plot.
 
 `--quick` (CI) uses 1-digit addition, a short teacher SFT and a transformers-forward teacher.
-On an accelerator (`--device cuda`, or auto-detected) the teacher runs inside the student's step
+On an accelerator (`--device`, or auto-detected) the teacher runs inside the student's step
 (`backend: megatron`) with the same top-k objective from its dense logits: for a model this small a
 second vLLM engine's start-up and its per-step scoring call are most of the wall time there.
 """
@@ -50,11 +50,12 @@ class DemoConfig:
     sft: SftConfig = field(default_factory=lambda: SftConfig(steps=500, batch_size=128, micro_batch_size=128))
     teacher_lr: float = 3e-3  # SFT learning rate of the teacher
     eval_every: int = 10  # distillation steps between greedy evaluations
+    in_step_teacher_on_accelerator: bool = True  # off CPU: the teacher in the student's step
     overrides: list[str] = field(default_factory=list)  # extra dotted overrides of the distillation
 
 
 def quick_demo() -> DemoConfig:
-    return DemoConfig(digits=1, num_eval=20, teacher_lr=5e-3, student_mlp=32,
+    return DemoConfig(digits=1, num_eval=20, teacher_lr=5e-3, student_mlp=32, in_step_teacher_on_accelerator=False,
                       sft=SftConfig(steps=150, batch_size=64, micro_batch_size=64),
                       eval_every=5, overrides=["run.steps=40", "rollout.prompts_per_step=16",
                                                "parallel.global_batch_size=32", "parallel.micro_batch_size=32",
@@ -171,8 +172,15 @@ def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = Non
                                                         "student_hf")}
     overrides = [f"model.student={paths['student_init']}", f"teacher.teachers.0.model={paths['teacher_hf']}",
                  f"run.output_dir={out}", "run.overwrite=true", f"data.task_digits={demo.digits}",
-                 f"data.num_eval={demo.num_eval}", *demo.overrides, *(extra_overrides or [])]
-    cfg = load_config(demo_config_path(), overrides, validate=False)
+                 f"data.num_eval={demo.num_eval}", *demo.overrides]
+    user = list(extra_overrides or [])  # always last: they win
+    cfg = load_config(demo_config_path(), overrides + user, validate=False)
+    if demo.in_step_teacher_on_accelerator and not is_cpu(cfg.run.device):
+        accel = accelerator_overrides(cfg.teacher.teachers[0].top_k)
+        logger.info("demo: accelerator run, teacher inside the student's step (%s)", " ".join(accel))
+        overrides += accel
+        cfg = load_config(demo_config_path(), overrides + user, validate=False)
+    overrides += user
     _, train_records, held_out = make_task(demo, cfg.data)
     os.makedirs(out, exist_ok=True)
     write_eval_file(os.path.join(out, "eval.jsonl"), held_out)
@@ -223,13 +231,6 @@ def main(argv=None) -> int:
     if args.device:
         os.environ["OPKD_DEVICE"] = args.device  # the teacher SFT and every engine follow it
         overrides.insert(0, f"run.device={args.device}")
-    if not args.quick and not is_cpu(args.device):
-        from opkd_mcore.config import load_config
-
-        top_k = load_config(demo_config_path(), [], validate=False).teacher.teachers[0].top_k
-        overrides[:0] = accelerator_overrides(top_k)  # the user's overrides still come last
-        logger.info("demo: accelerator run, teacher inside the student's step (%s)",
-                    " ".join(accelerator_overrides(top_k)))
     run_demo(demo, args.out, overrides)
     return 0
 
