@@ -204,6 +204,67 @@ def support_masses(s_S, lse_s, log_p_S, valid):
     return teacher, student
 
 
+# ------------------------------------- one block of rows: loss, then its gradient (shared with linear_kd_rows.py)
+@dataclass(frozen=True)
+class KdGradState:
+    """What `write_kd_grad` needs besides the logits: O(N) / O(N K) tensors from `kd_objective`.
+
+    Dense: `row_coef` = c1 of `dense_loss`, `code` its divergence, `factor` its gradient scale.
+    Sparse support: `row_coef` = dL/dlse, and the support (`local` shard-local ids, `s_S`, dL/ds_S)."""
+
+    lse: torch.Tensor
+    row_coef: torch.Tensor
+    code: int = 0
+    factor: float = 1.0
+    local: torch.Tensor | None = None
+    s_S: torch.Tensor | None = None
+    d_s: torch.Tensor | None = None
+
+    def tensors(self) -> tuple:
+        return self.lse, self.row_coef, self.local, self.s_S, self.d_s
+
+    def with_tensors(self, tensors) -> KdGradState:
+        """The same state over `tensors` (as `ctx.saved_tensors` hands them back)."""
+        lse, row_coef, local, s_S, d_s = tensors
+        return KdGradState(lse, row_coef, self.code, self.factor, local, s_S, d_s)
+
+
+def kd_objective(z, t, ids, logprobs, spec: KdSpec, backend, group, need_grad: bool):
+    """The per-token loss of logits `z [N, V_local]` (teacher logits `t` or top-k `ids`/`logprobs`):
+    `(loss [N], teacher mass on S [N], student mass on S [N], KdGradState)`. Runs the collectives."""
+    inv_t = 1.0 / spec.temperature
+    kind = effective_divergence(spec.divergence, spec.beta)
+    # one pass gives both log-partitions (a dense teacher's is also needed for log p_S)
+    lse, a_over_lu, b_over_ls = reduce_stats(backend.row_stats(z, t, inv_t), group)
+    if spec.support is None:
+        loss, factor, c1 = dense_loss(kind, spec.beta, lse, a_over_lu, b_over_ls,
+                                      lambda: backend.jsd_sums(z, t, lse, inv_t, spec.beta), group)
+        ones = torch.ones_like(loss)
+        return loss, ones, ones.clone(), KdGradState(lse, c1, DIV_CODES[kind], factor)
+    v_local = z.shape[1]
+    offset = tp_rank(group) * v_local
+    ids = _support_ids(z, t, ids, spec, offset, group)
+    local = local_support_ids(ids, offset, v_local)
+    s_S = _gather_support(z, local, inv_t, group)
+    valid = ids >= 0
+    log_p_S = _gather_support(t, local, inv_t, group) - lse[:, 1:2] if t is not None else logprobs.float()
+    loss, d_s, d_lse = sparse_objective_split(s_S, lse[:, 0], log_p_S, valid, spec, need_grad, group, backend)
+    teacher_mass, student_mass = support_masses(s_S, lse[:, 0], log_p_S, valid)
+    return loss, teacher_mass, student_mass, KdGradState(lse, d_lse, local=local, s_S=s_S, d_s=d_s)
+
+
+def write_kd_grad(z, t, state: KdGradState, grad_loss, out, spec: KdSpec, backend):
+    """`out` = d(sum_n grad_loss[n] loss[n]) / dz (`out` may be `z` itself: written in place)."""
+    inv_t = 1.0 / spec.temperature
+    g = grad_loss.float() * inv_t
+    if state.s_S is None:
+        coef = torch.stack([g * state.factor, state.row_coef], dim=1)
+        return backend.write_grad(z, t, out, state.lse, coef, inv_t, spec.beta, state.code)
+    coef = torch.stack([g * state.row_coef, torch.zeros_like(g)], dim=1)
+    backend.write_grad(z, None, out, state.lse, coef, inv_t, spec.beta, 0)
+    return backend.sparse_scatter(out, state.local, state.s_S, state.d_s * g[:, None], state.lse, coef)
+
+
 # ---------------------------------------------------------------- the autograd Function
 class FusedKdLoss(torch.autograd.Function):
     """forward(student [N, V_local], teacher [N, V_local] | None, ids [N, K] | None,
@@ -214,54 +275,20 @@ class FusedKdLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, t, ids, logprobs, spec: KdSpec, backend, group, inplace_grad: bool):
         LAUNCHES[backend.name] += 1
-        inv_t = 1.0 / spec.temperature
-        kind = effective_divergence(spec.divergence, spec.beta)
-        dense_teacher = t is not None
-        # one pass gives both log-partitions (a dense teacher's is also needed for log p_S)
-        lse, a_over_lu, b_over_ls = reduce_stats(backend.row_stats(z, t, inv_t), group)
-        ctx.spec, ctx.backend, ctx.inplace = spec, backend, inplace_grad
-        ctx.dense = spec.support is None
-        if ctx.dense:
-            loss, factor, c1 = dense_loss(kind, spec.beta, lse, a_over_lu, b_over_ls,
-                                          lambda: backend.jsd_sums(z, t, lse, inv_t, spec.beta), group)
-            ctx.code, ctx.factor = DIV_CODES[kind], factor
-            ctx.save_for_backward(z, t, lse, c1)
-            teacher_mass, student_mass = torch.ones_like(loss), torch.ones_like(loss)
-            ctx.mark_non_differentiable(teacher_mass, student_mass)
-            return loss, teacher_mass, student_mass
-        v_local = z.shape[1]
-        offset = tp_rank(group) * v_local
-        ids = _support_ids(z, t, ids, spec, offset, group)
-        local = local_support_ids(ids, offset, v_local)
-        s_S = _gather_support(z, local, inv_t, group)
-        valid = ids >= 0
-        if dense_teacher:
-            log_p_S = _gather_support(t, local, inv_t, group) - lse[:, 1:2]
-        else:
-            log_p_S = logprobs.float()
-        loss, d_s, d_lse = sparse_objective_split(s_S, lse[:, 0], log_p_S, valid, spec,
-                                                   ctx.needs_input_grad[0], group, backend)
-        ctx.save_for_backward(z, local, s_S, d_s, d_lse, lse)
-        teacher_mass, student_mass = support_masses(s_S, lse[:, 0], log_p_S, valid)
+        loss, teacher_mass, student_mass, state = kd_objective(z, t, ids, logprobs, spec, backend, group,
+                                                               ctx.needs_input_grad[0])
+        ctx.spec, ctx.backend, ctx.inplace, ctx.state = spec, backend, inplace_grad, state.with_tensors([None] * 5)
+        # a sparse support's gradient never reads the teacher's logits: they need not outlive the forward
+        ctx.save_for_backward(z, t if spec.support is None else None, *state.tensors())
         ctx.mark_non_differentiable(teacher_mass, student_mass)
         return loss, teacher_mass, student_mass
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_teacher_mass=None, _grad_student_mass=None):
-        spec, backend = ctx.spec, ctx.backend
-        inv_t = 1.0 / spec.temperature
-        g = grad_loss.float() * inv_t
-        if ctx.dense:
-            z, t, lse, c1 = ctx.saved_tensors
-            out = z if ctx.inplace else torch.empty_like(z)
-            coef = torch.stack([g * ctx.factor, c1], dim=1)
-            backend.write_grad(z, t, out, lse, coef, inv_t, spec.beta, ctx.code)
-        else:
-            z, local, s_S, d_s, d_lse, lse = ctx.saved_tensors
-            out = z if ctx.inplace else torch.empty_like(z)
-            coef = torch.stack([g * d_lse, torch.zeros_like(g)], dim=1)
-            backend.write_grad(z, None, out, lse, coef, inv_t, spec.beta, 0)
-            backend.sparse_scatter(out, local, s_S, d_s * g[:, None], lse, coef)
+        z, t, *saved = ctx.saved_tensors
+        state = ctx.state.with_tensors(saved)
+        out = z if ctx.inplace else torch.empty_like(z)
+        write_kd_grad(z, t, state, grad_loss, out, ctx.spec, ctx.backend)
         if ctx.inplace:
             # Anything else that saved the logits for its backward must now fail loudly.
             torch.autograd.graph.increment_version(z)

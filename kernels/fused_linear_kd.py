@@ -66,9 +66,10 @@ def _support_ids(engine, inp: LinearInputs, ids, spec: KdSpec, offset: int, grou
     return teacher_top
 
 
-def _global_argmax(stats, local_argmax, offset: int, group):
-    """Global id of each row's teacher maximum from shard maxima (ties: the highest id)."""
-    m_local = stats[:, 2].contiguous()
+def global_argmax(m_local, local_argmax, offset: int, group):
+    """Global id of each row's teacher maximum from the shard maxima `m_local [N]` float32 and their
+    shard-local columns (ties: the highest id)."""
+    m_local = m_local.contiguous()
     m_global = all_reduce(m_local.clone(), dist.ReduceOp.MAX, group)
     ids = torch.where(m_local == m_global, local_argmax + offset, -1)
     return all_reduce(ids, dist.ReduceOp.MAX, group)
@@ -130,7 +131,8 @@ class FusedLinearKdLoss(torch.autograd.Function):
         offset = tp_rank(group) * inp.vocab
         stats, argmax = engine.row_stats(inp, inv_t, want_argmax=dense_teacher)
         lse, a_over_lu, b_over_ls = reduce_stats(stats, group)
-        top1 = _global_argmax(stats, argmax, offset, group) if dense_teacher else torch.full_like(lse[:, 0], -1).long()
+        top1 = (global_argmax(stats[:, 2], argmax, offset, group) if dense_teacher
+                else torch.full_like(lse[:, 0], -1).long())
         ctx.spec, ctx.engine, ctx.ends = spec, engine, ends
         ctx.dense = spec.support is None
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -242,11 +244,17 @@ def select_linear_engine(hidden: torch.Tensor, backend="auto"):
     return None
 
 
-def _row_major(x):
+def shard_ends(v_local: int, student_vocab_end: int | None, teacher_vocab_end: int | None) -> tuple[int, int]:
+    """(student, teacher) first padding column of this shard, clamped to [0, V_local] (None: V_local)."""
+    return tuple(v_local if end is None else max(0, min(v_local, end))
+                 for end in (student_vocab_end, teacher_vocab_end))
+
+
+def row_major(x):
     return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
-def _check(hidden, weight, teacher_hidden, teacher_weight, topk_ids, topk_logprobs, spec):
+def check_linear_inputs(hidden, weight, teacher_hidden, teacher_weight, topk_ids, topk_logprobs, spec):
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in COVERED_DTYPES):
             raise ValueError(f"{name}: expected a 2-D {COVERED_DTYPES} tensor, got "
@@ -288,14 +296,12 @@ def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hid
     `return_stats`, returns a `LinearKdResult`. Inputs are assumed valid (`kd_loss`-style content
     checks live in opkd_mcore.losses.fused_linear); bad shapes and dtypes raise ValueError.
     """
-    _check(hidden, weight, teacher_hidden, teacher_weight, topk_ids, topk_logprobs, spec)
+    check_linear_inputs(hidden, weight, teacher_hidden, teacher_weight, topk_ids, topk_logprobs, spec)
     engine = select_linear_engine(hidden, backend)
     if engine is None:
         raise ValueError(f"backend: {backend!r} cannot run on a {hidden.device.type} tensor here")
-    v_local = weight.shape[0]
-    ends = (v_local if student_vocab_end is None else max(0, min(v_local, student_vocab_end)),
-            v_local if teacher_vocab_end is None else max(0, min(v_local, teacher_vocab_end)))
-    out = FusedLinearKdLoss.apply(_row_major(hidden), _row_major(weight), _row_major(teacher_hidden),
-                                  _row_major(teacher_weight), topk_ids, topk_logprobs, spec, engine, tp_group,
+    ends = shard_ends(weight.shape[0], student_vocab_end, teacher_vocab_end)
+    out = FusedLinearKdLoss.apply(row_major(hidden), row_major(weight), row_major(teacher_hidden),
+                                  row_major(teacher_weight), topk_ids, topk_logprobs, spec, engine, tp_group,
                                   ends)
     return LinearKdResult(out) if return_stats else out[0]
