@@ -6,6 +6,8 @@ logits (the logits kernels): same loss, same KD metrics, same gradient norm and 
 after the step. Covered: a top-k teacher at TP=2, the in-step Megatron teacher (wider, padded
 vocabulary: hidden states + its weight shard) at TP=2 and PP=2, tied input/output weights (their
 gradient adds the fused backward to the embedding's), and the config rules of `fused_lm_head`.
+`lm_head_engine: rows` (gradients in the forward from the aggregation's row weights) gives the chunked
+engine's step at TP=2 (in-step Megatron teacher with seq-mean-token-mean, tied weights with top-k rows).
 """
 from __future__ import annotations
 
@@ -58,12 +60,13 @@ def _step(student_dir, teacher_dir, loss_kwargs, fused: str):
     # adam_eps=1: the update is ~ lr * g, so the weights after the step compare the gradients
     engine, _ = build_student(student_dir, OptimConfig(lr=1.0, adam_eps=1.0, clip_grad=0.0),
                               padded_vocab=padded, teacher=teacher)
-    before = sum(LAUNCHES.values())
+    before = dict(LAUNCHES)
     result = train_stage(engine, scored, LossSection(fused_lm_head=fused, **loss_kwargs),
                          ParallelSection(micro_batch_size=2, global_batch_size=4), shard_layout(engine),
                          ps.get_tensor_model_parallel_group())
     params = [p.detach().clone() for p in engine.parameters()]
-    return result.metrics, sum(LAUNCHES.values()) - before, params
+    launches = {name: count - before.get(name, 0) for name, count in LAUNCHES.items() if count != before.get(name, 0)}
+    return result.metrics, launches, params
 
 
 CASES = {  # name -> (student, teacher or None for top-k rows, LossSection kwargs)
@@ -74,17 +77,17 @@ CASES = {  # name -> (student, teacher or None for top-k rows, LossSection kwarg
 }
 
 
-def _on_vs_off(rank, world, dirs, names, tp, pp):
+def _on_vs_off(rank, world, dirs, names, tp, pp, variants=(("on", {}), ("off", {}))):
+    """Per case: one step per variant (`loss.fused_lm_head`, extra LossSection kwargs)."""
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
 
     init_parallel(ParallelConfig(tp=tp, pp=pp, seed=3))
     try:
         out = {}
         for name in names:
-            student, teacher, kwargs = CASES[name]
-            on = _step(dirs[student], dirs.get(teacher), kwargs, "on")
-            off = _step(dirs[student], dirs.get(teacher), kwargs, "off")
-            out[name] = (on, off)
+            student, teacher, kwargs = {**CASES, **ROWS_CASES}[name]
+            out[name] = tuple(_step(dirs[student], dirs.get(teacher), {**kwargs, **extra}, fused)
+                              for fused, extra in variants)
         return out
     finally:
         destroy_parallel()
@@ -92,8 +95,8 @@ def _on_vs_off(rank, world, dirs, names, tp, pp):
 
 def _assert_same_step(on, off, last_stage: bool):
     (m_on, launches_on, params_on), (m_off, launches_off, params_off) = on, off
-    assert launches_off == 0
-    assert launches_on == (2 if last_stage else 0)   # one fused call per micro-batch, last stage only
+    assert sum(launches_off.values()) == 0
+    assert sum(launches_on.values()) == (2 if last_stage else 0)   # one fused call per micro-batch, last stage only
     names = [k for k in m_off if k.startswith(("kd/teacher_mass", "kd/student_mass", "kd/per_token", "train/loss",
                                                 "train/grad_norm", "teacher/"))]
     assert "train/loss" in names and m_on["train/update_applied"] == 1.0
@@ -118,6 +121,33 @@ def test_fused_lm_head_step_matches_materialised_logits_at_pp2(models):
         _assert_same_step(on, off, last_stage=stage == 1)
 
 
+ROWS_CASES = {  # the rows engine (gradients in the forward from the aggregation's weights) vs chunked
+    "megatron_teacher_jsd_seq_mean": ("student", "teacher", {"divergence": "jsd", "beta": 0.4, "temperature": 1.5,
+                                                             "aggregation": "seq-mean-token-mean"}),
+    "tied_topk_tail_token_mean": ("tied", None, {"support": "teacher", "divergence": "forward_kl", "mass": "tail",
+                                                 "coverage_coef": 0.2}),
+}
+
+
+def test_rows_engine_step_matches_chunked_at_tp2(models):
+    """`loss.lm_head_engine: rows` through `train_stage`: the scalar it back-propagates (sum of the
+    aggregation's row weights times the loss) gives the chunked engine's loss, metrics and update."""
+    variants = (("on", {"lm_head_engine": "rows"}), ("on", {"lm_head_engine": "chunked"}))
+    per_rank = run_distributed(_on_vs_off, 2, models, list(ROWS_CASES), 2, 1, variants)
+    for rank_out in per_rank:
+        for (m_rows, launches_rows, params_rows), (m_chunked, launches_chunked, params_chunked) in rank_out.values():
+            # one call per micro-batch, of the rows engine, then of the chunked one
+            assert sum(launches_rows.values()) == sum(launches_chunked.values()) == 2
+            assert all(name.startswith("rows-") for name in launches_rows)
+            assert not any(name.startswith("rows-") for name in launches_chunked)
+            names = [k for k in m_chunked if k.startswith(("kd/", "train/loss", "train/grad_norm", "teacher/"))]
+            assert "train/loss" in names and m_rows["train/update_applied"] == 1.0
+            for k in names:
+                assert m_rows[k] == pytest.approx(m_chunked[k], rel=2e-5, abs=1e-6), k
+            for a, b in zip(params_rows, params_chunked):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["loss.fused_lm_head=on", "loss.form=policy_gradient"], "^loss.fused_lm_head: 'on' fuses"),
     (["loss.fused_lm_head=on", "loss.impl=reference"], "^loss.fused_lm_head: 'on' runs"),
@@ -134,6 +164,7 @@ def test_fused_lm_head_config_errors(models, overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, base + overrides)
     load_config(None, base + ["loss.fused_lm_head=on"])
+    load_config(None, base + ["loss.fused_lm_head=on", "loss.lm_head_engine=rows"])
 
 
 def test_auto_is_on_only_where_the_triton_tiles_run():
@@ -171,6 +202,8 @@ def test_lm_head_engine_rule():
     assert lm_head_engine(LossSection(support="teacher", lm_head_engine="chunked"), topk) == "chunked"
     assert lm_head_engine(LossSection(lm_head_engine="tiles"), hidden) is None
     assert lm_head_engine(LossSection(impl="torch"), hidden) is None
+    assert lm_head_engine(LossSection(lm_head_engine="rows"), topk) == "rows"            # asked for: any teacher,
+    assert lm_head_engine(LossSection(lm_head_engine="rows", impl="torch"), hidden) == "rows"   # any logits kernels
 
 
 def test_chunked_engine_name_off_the_gpu_is_the_twin():

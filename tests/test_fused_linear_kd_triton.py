@@ -3,7 +3,8 @@
 A few cases of every kind (the chunked twin runs the whole case table in test_fused_linear_kd.py):
 dense forward / reverse KL / JSD in float32 and bfloat16, top-k teacher with tail and raw mass and
 coverage, dense teacher on a teacher / union support, vocabulary padding, several row and column
-blocks in every pass, the teacher top-1 of the stats pass, and TP=2 over gloo. As in
+blocks in every pass, the teacher top-1 of the stats pass, TP=2 over gloo, and the rows engine
+(`linear_kd_rows.py`) with these logits kernels. As in
 test_kernels_triton.py, every case runs in a spawned process that starts with the interpreter on,
 and each test reports its own case.
 """
@@ -73,6 +74,17 @@ def _teacher_top1():
     assert torch.equal(stats.teacher_top1, (ht @ wt.T).argmax(1))
 
 
+def _rows_engine():
+    """The rows engine with the Triton logits kernels: bf16 logits chunks, dense and top-k teachers."""
+    from tests import test_fused_linear_kd_rows as rows
+
+    h, w, ht, wt = lk.make_inputs(9)
+    rows.assert_rows_match(h, w, HiddenTeacher(ht, wt), "triton", dtype=torch.bfloat16, chunk_rows=4,
+                           divergence="jsd", beta=0.3, temperature=1.3)
+    rows.assert_rows_match(h, w, cases.make_topk(ht @ wt.T, k=6), "triton", chunk_rows=2, support="teacher",
+                           mass="tail", coverage_coef=0.2)
+
+
 CASES = {}
 for _kd, _dt in [(dict(divergence="forward_kl"), torch.float32), (dict(divergence="forward_kl"), torch.bfloat16),
                  (dict(divergence="reverse_kl", temperature=1.7), torch.float32),
@@ -84,7 +96,7 @@ for _kd in [cases.TOPK_CASES[1], cases.TOPK_CASES[2], cases.TOPK_CASES[7]]:
 for _kd in [cases.DENSE_SUPPORT_CASES[0], cases.DENSE_SUPPORT_CASES[2]]:
     CASES[f"dense-support-{lk._ids(_kd)}"] = (_dense_support, (_kd,))
 CASES.update({"vocabulary-padding": (_padding, ()), "many-blocks": (_many_blocks, ()),
-              "teacher-top1": (_teacher_top1, ())})
+              "teacher-top1": (_teacher_top1, ()), "rows-engine": (_rows_engine, ())})
 
 
 def _run_all_cases(rank, world):

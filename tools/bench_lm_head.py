@@ -7,6 +7,9 @@ objective, all in one run, median ms and peak extra memory of
     fused      opkd_kernels.fused_linear_kd (Triton tiles), gradients of h and W
     chunkedNk  the same function with the chunked engine: cuBLAS GEMMs into [N, N_k] float32 logits
                blocks (all rows, N_k vocabulary columns) + the Triton row kernels (chunked4k/8k/16k)
+    rowsNk     opkd_kernels.linear_kd_rows ("rows" engine): per chunk of N_k rows (rows2k/rows4k; rows:
+               the default from its memory budget) the logits once, the logits kernels, dh and dW in
+               the forward; the backward only scales them (the 4 GEMM-sized products of `gemms`)
     unfused    the same GEMMs with materialised logits + this project's logits kernel (fused_kd)
     compiled   torch.compile of the unfused torch objective (TP=1)
     liger      Liger-Kernel's LigerFusedLinearJSD (TP=1, dense; jsd_beta 0 = forward KL), if importable
@@ -31,7 +34,7 @@ LM_HEAD_OBJECTIVES = {
     "jsd": dict(divergence="jsd", beta=0.5),
     "topk256": dict(support="teacher", mass="renorm", k_teacher=256),
 }
-LM_HEAD_METHODS = "gemm_rate,gemms,fused,chunked8k,unfused,compiled,liger,cce"
+LM_HEAD_METHODS = "gemm_rate,gemms,fused,chunked8k,rows2k,rows4k,unfused,compiled,liger,cce"
 
 
 def make_lm_head_inputs(n, hidden, vocab, tp, rank, dtype, obj):
@@ -114,6 +117,23 @@ def m_chunked(block_cols: int):
     return make
 
 
+def m_rows(chunk_rows: int | None):
+    """The rows engine: gradients in the forward, one chunk of `chunk_rows` rows (all columns) at a time."""
+    def make(h, w, dense, topk, obj, group):
+        from opkd_kernels.linear_kd_rows import rows_linear_kd_loss
+
+        hl, wl = _leaves(h, w)
+        spec = _spec(obj)
+        weights = torch.full((h.shape[0],), 1.0 / h.shape[0], device=h.device)   # token-mean
+
+        def run():
+            scalar = rows_linear_kd_loss(hl, wl, *(dense or (None, None)), *(topk or (None, None)),
+                                         row_weights=weights, spec=spec, tp_group=group, chunk_rows=chunk_rows)[0]
+            return torch.autograd.grad(scalar, (hl, wl))
+        return run, 2 * h.shape[0] * w.shape[0] * (3 * h.shape[1] + (dense[0].shape[1] if dense else 0))
+    return make
+
+
 def m_unfused(h, w, dense, topk, obj, group):
     hl, wl = _leaves(h, w)
     spec = _spec(obj)
@@ -181,7 +201,8 @@ def m_cce(h, w, dense, topk, obj, group):
 LM_HEAD_METHOD_FNS = {"gemm_rate": m_gemm_rate, "gemms": m_gemms, "fused": m_fused, "unfused": m_unfused,
                       "compiled": m_compiled, "liger": m_liger, "cce": m_cce,
                       "chunked4k": m_chunked(4096), "chunked8k": m_chunked(8192),
-                      "chunked16k": m_chunked(16384)}
+                      "chunked16k": m_chunked(16384), "rows": m_rows(None), "rows1k": m_rows(1024),
+                      "rows2k": m_rows(2048), "rows4k": m_rows(4096)}
 
 
 def bench_lm_head_cell(n, hidden, vocab, name, args, group, rank, tp, timed):

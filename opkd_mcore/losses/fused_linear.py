@@ -14,6 +14,10 @@ group, as for `ColumnParallelLinear`) and `weight`. `vocab_end` / `teacher_vocab
 vocabulary sizes; columns at or past them (padding of the last TP shard) get the logit -1e4, as the
 trainer writes into materialised logits, and no gradient.
 
+`linear_kd_loss_weighted(..., row_weights)` returns the scalar `sum_n row_weights[n] loss[n]` (the
+"rows" engine, `opkd_kernels.linear_kd_rows`): with the weights known up front, the gradients are
+computed in the forward, one chunk of rows at a time, and the logits are formed once.
+
 Dispatch (`impl`): "auto" / "fused" pick the Triton tiles where `platform.triton_kernels_usable`,
 else the chunked torch twin (its C++ primitives on CPU when built); "triton" / "cpp" / "torch"
 force one; "reference" materialises. float64 inputs take the reference path under "auto".
@@ -132,6 +136,26 @@ def materialised_linear_kd_loss(hidden, weight, teacher, *, vocab_end=None, teac
                    impl=impl, **kd)
 
 
+def _kernel_operands(weight, teacher, opts, tp_group, vocab_end, teacher_vocab_end):
+    """`(KdSpec, (h_t, W_t, ids, logprobs), shard-local vocabulary ends)` for the opkd_kernels entries."""
+    from opkd_kernels.fused_kd import KdSpec
+
+    spec = KdSpec(**{**opts, "beta": float(opts["beta"]), "temperature": float(opts["temperature"]),
+                     "coverage_coef": float(opts["coverage_coef"])})
+    if isinstance(teacher, HiddenTeacher):
+        operands = (teacher.hidden.detach(), teacher.weight.detach(), None, None)
+    else:
+        from opkd_mcore.losses.kd_loss import select_support
+
+        # the same choice of ids as kd_loss (top-k of a wider teacher, ties)
+        ids, logprobs, _ = select_support(None, teacher, support=opts["support"], k=opts["k"], group=tp_group)
+        operands = (None, None, ids, logprobs)
+    v_local = weight.shape[0]
+    ends = {"student_vocab_end": _vocab_end(vocab_end, v_local, tp_group),
+            "teacher_vocab_end": _vocab_end(teacher_vocab_end, v_local, tp_group)}
+    return spec, operands, ends
+
+
 def linear_kd_loss(hidden, weight, teacher, **kwargs) -> torch.Tensor:
     """Per-token loss `[N]` float32 (float64 for float64 inputs); see the module docstring."""
     return linear_kd_loss_with_stats(hidden, weight, teacher, **kwargs)[0]
@@ -160,22 +184,58 @@ def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teache
         loss = materialised_linear_kd_loss(hidden, weight, teacher, vocab_end=vocab_end,
                                            teacher_vocab_end=teacher_vocab_end, tp_group=tp_group, **opts)
         return loss, None
-    from opkd_kernels.fused_linear_kd import KdSpec, fused_linear_kd_loss
+    from opkd_kernels.fused_linear_kd import fused_linear_kd_loss
 
-    v_local = weight.shape[0]
-    spec = KdSpec(divergence=divergence, beta=float(beta), temperature=float(temperature), support=support, k=k,
-                  mass=mass, coverage_coef=float(coverage_coef))
-    dense = isinstance(teacher, HiddenTeacher)
-    ids = logprobs = None
-    if not dense:
-        from opkd_mcore.losses.kd_loss import select_support
-
-        # the same choice of ids as kd_loss (top-k of a wider teacher, ties)
-        ids, logprobs, _ = select_support(None, teacher, support=support, k=k, group=tp_group)
-    out = fused_linear_kd_loss(
-        hidden, weight, teacher.hidden.detach() if dense else None, teacher.weight.detach() if dense else None,
-        ids, logprobs, spec=spec, tp_group=tp_group, backend=name,
-        student_vocab_end=_vocab_end(vocab_end, v_local, tp_group),
-        teacher_vocab_end=_vocab_end(teacher_vocab_end, v_local, tp_group), return_stats=True)
+    spec, operands, ends = _kernel_operands(weight, teacher, opts, tp_group, vocab_end, teacher_vocab_end)
+    out = fused_linear_kd_loss(hidden, weight, *operands, spec=spec, tp_group=tp_group, backend=name,
+                               return_stats=True, **ends)
     loss, teacher_mass, student_mass, lse, top1 = out
     return loss, LinearKDStats(teacher_mass, student_mass, lse, top1)
+
+
+def _check_row_weights(row_weights, hidden: torch.Tensor, validate: bool) -> None:
+    n = hidden.shape[0]
+    if not (isinstance(row_weights, torch.Tensor) and row_weights.dim() == 1 and row_weights.shape[0] == n
+            and row_weights.is_floating_point() and row_weights.device == hidden.device):
+        raise ValueError(f"row_weights: expected a floating tensor of shape [N={n}] on the hidden states' "
+                         f"device ({hidden.device.type}), got {validation._describe(row_weights)}")
+    if validate and not torch.isfinite(row_weights).all():
+        raise ValueError("row_weights: expected finite values (d scalar / d loss per token), found inf or NaN")
+
+
+def linear_kd_loss_weighted(hidden: torch.Tensor, weight: torch.Tensor, teacher, row_weights: torch.Tensor, *,
+                            divergence: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
+                            support: str | None = None, k: int | None = None, mass: str = "renorm",
+                            coverage_coef: float = 0.0, tp_group=None, impl: str = "auto",
+                            validate: bool = True, vocab_end: int | None = None,
+                            teacher_vocab_end: int | None = None, chunk_rows: int | None = None,
+                            chunk_bytes: int | None = None):
+    """`(scalar, per-token loss [N] detached, LinearKDStats | None)`, scalar = sum_n row_weights[n] loss[n]
+    (float32; float64 on the reference path), differentiable w.r.t. `hidden` and `weight`.
+
+    `row_weights [N]`: d scalar / d loss_n, constants (e.g. `aggregation.aggregate_row_weights`); a row
+    of weight 0 adds nothing even if its loss is not finite. Other keywords as `linear_kd_loss_with_stats`;
+    `impl` also picks the logits kernels of the chunks ("auto": Triton where usable, else the C++ twin
+    on CPU when built, else torch). `chunk_rows` / `chunk_bytes`: rows per chunk, or the budget of
+    the chunk's logits buffers (defaults: `opkd_kernels.linear_kd_rows`); the same on every TP rank.
+    The gradients are computed in the forward and handed out by one backward."""
+    opts = {"divergence": divergence, "beta": beta, "temperature": temperature, "support": support, "k": k,
+            "mass": mass, "coverage_coef": coverage_coef}
+    _check(hidden, weight, teacher, k=k, tp_group=tp_group, validate=validate, opts=opts, impl=impl)
+    _check_row_weights(row_weights, hidden, validate)
+    if isinstance(teacher, HiddenTeacher) and teacher_vocab_end is None:
+        teacher_vocab_end = teacher.vocab_size
+    name = engine_name(hidden, impl)
+    if name is None:   # float64 or impl="reference": materialised logits, autograd as usual
+        loss, _ = linear_kd_loss_with_stats(hidden, weight, teacher, **opts, tp_group=tp_group, impl=impl,
+                                            validate=False, vocab_end=vocab_end,
+                                            teacher_vocab_end=teacher_vocab_end)
+        c = row_weights.detach().to(loss.dtype)
+        return torch.where(c != 0, c * loss, torch.zeros_like(loss)).sum(), loss.detach(), None
+    from opkd_kernels.linear_kd_rows import rows_linear_kd_loss
+
+    spec, operands, ends = _kernel_operands(weight, teacher, opts, tp_group, vocab_end, teacher_vocab_end)
+    scalar, loss, teacher_mass, student_mass, lse, top1 = rows_linear_kd_loss(
+        hidden, weight, *operands, row_weights=row_weights, spec=spec, tp_group=tp_group, backend=name,
+        chunk_rows=chunk_rows, chunk_bytes=chunk_bytes, **ends)
+    return scalar, loss, LinearKDStats(teacher_mass, student_mass, lse, top1)

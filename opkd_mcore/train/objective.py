@@ -22,6 +22,7 @@ from opkd_mcore.losses import (
     HiddenTeacher,
     TopKTeacher,
     aggregate,
+    aggregate_row_weights,
     kd_loss_with_stats,
     policy_gradient_kd_loss,
 )
@@ -67,8 +68,15 @@ def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
 
     def loss_fn(logits_local: torch.Tensor | LmHeadInput, batch: PackedBatch):
         mask = batch.loss_mask
+        agg = {"mode": loss.aggregation, "global_num_tokens": counts.num_tokens,
+               "global_num_seqs": counts.num_seqs, "seq_weights": batch.sequence_weights,
+               "num_seqs": batch.num_sequences}
+        scalar = None
         if isinstance(logits_local, LmHeadInput):  # the fused LM head: hidden states + weight shard
-            per_token, metrics = _fused_head_kd(logits_local, batch, loss, tp_group)
+            row_weights = None
+            if lm_head_engine(loss, batch.teacher) == "rows":   # the scalar's weights, before the loss
+                row_weights = aggregate_row_weights(mask, batch.seq_ids, **agg)
+            per_token, metrics, scalar = _fused_head_kd(logits_local, batch, loss, tp_group, row_weights)
         elif isinstance(batch.teacher, HiddenTeacher):  # fused head off: the teacher's logits, formed here
             batch = copy.copy(batch)
             batch.teacher = DenseTeacher(hidden_teacher_logits(batch.teacher, tp_group, dtype=logits_local.dtype))
@@ -77,9 +85,8 @@ def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
             per_token, metrics = _policy_gradient(logits_local, batch, loss)
         else:
             per_token, metrics = _distribution_kd(logits_local, batch, loss, tp_group)
-        scalar = aggregate(per_token, mask, batch.seq_ids, loss.aggregation, counts.num_tokens,
-                           global_num_seqs=counts.num_seqs, seq_weights=batch.sequence_weights,
-                           num_seqs=batch.num_sequences)
+        if scalar is None:
+            scalar = aggregate(per_token, mask, batch.seq_ids, **agg)
         denom = float(counts.num_tokens)
         counted = mask.bool()
         out = {name: torch.where(counted, value.detach().float(), 0.0).sum() / denom
@@ -147,10 +154,13 @@ def fused_lm_head_plan(loss: LossSection, batch: PackedBatch, device, dtype: tor
 
 
 def lm_head_engine(loss: LossSection, teacher) -> str | None:
-    """The fused LM head's engine for `teacher`: "chunked", or None for `loss.impl`'s choice (the
-    Triton tiles on a GPU, the chunked twin elsewhere). `auto` takes the chunked engine for a dense
-    teacher's hidden states on the full vocabulary, where its cuBLAS GEMMs beat the tiles, and the
-    tiles for a sparse support, where they are faster and smaller (docs/benchmarks.md)."""
+    """The fused LM head's engine for `teacher`: "rows", "chunked", or None for `loss.impl`'s choice
+    (the Triton tiles on a GPU, the chunked twin elsewhere). `rows` (gradients in the forward, on
+    every device; `loss.impl` picks its logits kernels) only when asked for. `auto` takes the chunked
+    engine for a dense teacher's hidden states on the full vocabulary, where its cuBLAS GEMMs beat the
+    tiles, and the tiles for a sparse support, where they are faster and smaller (docs/benchmarks.md)."""
+    if loss.lm_head_engine == "rows":
+        return "rows"
     if _engine_impl(loss.impl) not in ("auto", "triton"):   # cpp / torch named: the twin, as asked
         return None
     if loss.lm_head_engine == "chunked":
@@ -160,27 +170,33 @@ def lm_head_engine(loss: LossSection, teacher) -> str | None:
     return None
 
 
-def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group):
-    """`kd_loss` of the logits `head.hidden @ head.weight.T`, which are never formed."""
-    from opkd_mcore.losses import linear_kd_loss_with_stats
+def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group, row_weights=None):
+    """`kd_loss` of the logits `head.hidden @ head.weight.T`, never formed whole: (per-token
+    loss, metrics, scalar). With `row_weights` (the rows engine) the scalar is `sum(row_weights *
+    loss)`, back-propagated as is; without, None (the caller aggregates the per-token loss)."""
+    from opkd_mcore.losses import linear_kd_loss_weighted, linear_kd_loss_with_stats
 
     teacher = batch.teacher
     if isinstance(teacher, HiddenTeacher) and teacher.hidden.dtype != head.hidden.dtype:
         # served rows arrive in bf16; the kernels take one operand dtype (the student's)
         teacher = HiddenTeacher(teacher.hidden.to(head.hidden.dtype), teacher.weight.to(head.hidden.dtype),
                                 teacher.vocab_size)
-    per_token, stats = linear_kd_loss_with_stats(
-        head.hidden, head.weight, teacher, divergence=loss.divergence, beta=loss.beta,
-        temperature=loss.temperature, support=loss.support, k=loss.k, mass=loss.mass,
-        coverage_coef=loss.coverage_coef, tp_group=tp_group, impl=_engine_impl(loss.impl),
-        validate=isinstance(teacher, TopKTeacher), vocab_end=head.vocab_size,
-        engine=lm_head_engine(loss, teacher))
+    kd = {"divergence": loss.divergence, "beta": loss.beta, "temperature": loss.temperature,
+          "support": loss.support, "k": loss.k, "mass": loss.mass, "coverage_coef": loss.coverage_coef,
+          "tp_group": tp_group, "impl": _engine_impl(loss.impl), "validate": isinstance(teacher, TopKTeacher),
+          "vocab_end": head.vocab_size}
+    scalar = None
+    if row_weights is not None:
+        scalar, per_token, stats = linear_kd_loss_weighted(head.hidden, head.weight, teacher, row_weights, **kd)
+    else:
+        per_token, stats = linear_kd_loss_with_stats(head.hidden, head.weight, teacher,
+                                                     engine=lm_head_engine(loss, teacher), **kd)
     metrics = {"kd/teacher_mass_on_support": stats.teacher_mass,
                "kd/student_mass_on_support": stats.student_mass}
     if isinstance(teacher, HiddenTeacher):  # dense teacher: agreement and NaN rows from the stats pass
         metrics["teacher/top1_agreement"] = (stats.teacher_top1 == _next_tokens(batch)).float()
         metrics["teacher/nonfinite_rows"] = torch.isnan(stats.lse[:, 1]).float()
-    return per_token, metrics
+    return per_token, metrics, scalar
 
 
 def _distribution_kd(logits, batch, loss: LossSection, tp_group):
