@@ -297,3 +297,17 @@ def tp_worker(rank, world, impl, env_cases):
 def test_tp2_over_gloo_matches_the_full_vocabulary():
     per_rank = run_distributed(tp_worker, 2, BACKENDS[0], TP_CASES)
     assert per_rank[0] == per_rank[1]   # loss and scalar bit-identical on every rank
+
+
+def test_bench_method_runs_on_cpu_tensors():
+    """`tools/bench_lm_head.py`'s rows method (its inputs are made on a GPU there; here on CPU)."""
+    bench = pytest.importorskip("tools.bench_lm_head")
+    g = torch.Generator().manual_seed(0)
+    h, w, ht, wt = (torch.randn(n, 16, generator=g).bfloat16() for n in (64, 100, 64, 100))
+    ids = torch.rand(64, 100, generator=g).topk(8, dim=1).indices
+    topk = (ids, torch.log_softmax(torch.randn(64, 8, generator=g), dim=1))
+    for name, dense, teacher_topk in (("jsd", (ht, wt), None), ("topk256", None, topk)):
+        run, flops = bench.m_rows(16)(h, w, dense, teacher_topk, bench.LM_HEAD_OBJECTIVES[name], None)
+        d_h, d_w = run()
+        assert flops == 2 * 64 * 100 * (3 * 16 + (16 if dense else 0))   # the 4 products of `gemms`
+        assert d_h.shape == h.shape and d_w.shape == w.shape and torch.isfinite(d_w.float()).all()
