@@ -187,9 +187,10 @@ def test_auto_is_on_only_where_the_triton_tiles_run():
         fused_lm_head_plan(tiles, Batch, "cpu", torch.float32)
 
 
-def test_lm_head_engine_rule():
-    """auto: the chunked engine for a dense teacher on the full vocabulary, the tiles (None: impl's
-    choice) for a sparse support; a named twin (cpp / torch) is never overridden."""
+def test_lm_head_engine_rule(monkeypatch):
+    """auto: the rows engine where the Triton kernels run; elsewhere the chunked engine for a dense
+    teacher on the full vocabulary, the tiles (None: impl's choice) for a sparse support; a named
+    twin (cpp / torch) is never overridden."""
     from opkd_mcore.config import LossSection
     from opkd_mcore.losses import HiddenTeacher, TopKTeacher
     from opkd_mcore.train.objective import lm_head_engine
@@ -204,6 +205,18 @@ def test_lm_head_engine_rule():
     assert lm_head_engine(LossSection(impl="torch"), hidden) is None
     assert lm_head_engine(LossSection(lm_head_engine="rows"), topk) == "rows"            # asked for: any teacher,
     assert lm_head_engine(LossSection(lm_head_engine="rows", impl="torch"), hidden) == "rows"   # any logits kernels
+    rows_cpu = torch.zeros(2, 4, dtype=torch.bfloat16)
+    assert lm_head_engine(LossSection(), hidden, rows_cpu) == "chunked"          # no Triton here: as before
+    assert lm_head_engine(LossSection(support="teacher"), topk, rows_cpu) is None
+    assert lm_head_engine(LossSection(impl="torch"), hidden, rows_cpu) is None
+    from opkd_mcore.platform import device as platform_device
+
+    monkeypatch.setattr(platform_device, "triton_kernels_usable", lambda tensor: True)   # as on a GPU
+    assert lm_head_engine(LossSection(), hidden, rows_cpu) == "rows"
+    assert lm_head_engine(LossSection(support="teacher"), topk, rows_cpu) == "rows"
+    assert lm_head_engine(LossSection(lm_head_engine="tiles"), topk, rows_cpu) is None     # named: as asked
+    assert lm_head_engine(LossSection(lm_head_engine="chunked"), hidden, rows_cpu) == "chunked"
+    assert lm_head_engine(LossSection(impl="cpp"), hidden, rows_cpu) is None
 
 
 def test_chunked_engine_name_off_the_gpu_is_the_twin():

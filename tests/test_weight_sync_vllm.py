@@ -116,14 +116,19 @@ def checkpoints(tmp_path_factory):
             for name, seed in (("A", 1), ("B", 2))}
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoints):
+def _probing_engine(checkpoint: str, enforce_eager: bool = True):
     import vllm
 
-    llm = vllm.LLM(checkpoints["B"], dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+    llm = vllm.LLM(checkpoint, dtype="float32", enforce_eager=enforce_eager, max_model_len=256, seed=0,
                    **engine_kwargs(),
                    worker_extension_cls=f"{__name__}.ProbingReceiverForTest")
     fresh = {"probe": _decode_probe(llm.collective_rpc("probe_effective_weights")[0]), "tokens": greedy(llm)}
+    return llm, fresh
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    llm, fresh = _probing_engine(checkpoints["B"])
     yield llm, fresh
     shutdown_llm(llm)
 
@@ -143,7 +148,25 @@ def _sync(handle, sender, state, version):
 
 
 def test_sync_matches_source_bitwise_and_fresh_engine(engine, checkpoints):
-    llm, fresh = engine
+    _round_trip(*engine, checkpoints)
+
+
+@pytest.mark.gpu
+def test_sync_into_an_engine_replaying_cuda_graphs(checkpoints):
+    """`rollout.enforce_eager: false` (the GPU config's setting): the captured graphs read the
+    weights' storage, so a sync must land in place; the same round trip as the eager engine's."""
+    if is_cpu():
+        pytest.skip("graph capture needs an accelerator")
+    llm, fresh = _probing_engine(checkpoints["B"], enforce_eager=False)
+    try:
+        _round_trip(llm, fresh, checkpoints)
+    finally:
+        shutdown_llm(llm)
+
+
+def _round_trip(llm, fresh, checkpoints):
+    """Sync checkpoint A into the engine started from B (weights bitwise, tokens changed), then B
+    back (its fresh tokens again), reusing the plan and every buffer."""
     state_a, state_b = hf_state(checkpoints["A"]), hf_state(checkpoints["B"])
     plan = BucketPlan.from_named_tensors(state_a.items(), BUCKET_BYTES)
     assert len(plan.buckets) > 3

@@ -31,12 +31,14 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=3, help="generate calls per mode (the first warms up)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.2, help="the engine's device share")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="capture CUDA graphs (rollout.enforce_eager=false); default: eager, as configured")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
 
 def generate_times(model: str, sleep: bool, prompts: int, n: int, max_new: int, calls: int,
-                   memory: float) -> dict:
+                   memory: float, eager: bool = True) -> dict:
     """Seconds of each `generate` call of one engine (a sleep/wake cycle before the last when `sleep`)."""
     import torch
     from transformers import AutoConfig
@@ -47,7 +49,8 @@ def generate_times(model: str, sleep: bool, prompts: int, n: int, max_new: int, 
 
     cfg = load_config(None, [f"model.student={model}", "model.params_dtype=bfloat16",
                              f"rollout.max_model_len={max_new + 64}",
-                             f"rollout.gpu_memory_utilization={memory}"], validate=False)
+                             f"rollout.gpu_memory_utilization={memory}",
+                             f"rollout.enforce_eager={str(eager).lower()}"], validate=False)
     vocab = AutoConfig.from_pretrained(model).vocab_size
     engine = build_rollout(cfg, sleep_mode=sleep)
     batch = [[1 + (7 * i + j) % (vocab - 1) for j in range(5)] for i in range(prompts)]  # distinct prompts
@@ -96,9 +99,10 @@ def main(argv=None) -> int:
         if mode not in MODES:
             raise SystemExit(f"--modes: {mode!r} is not one of {MODES}")
         run_args = (args.model, mode.endswith("_sleep"), args.prompts, args.n, args.max_new_tokens,
-                    args.calls, args.gpu_memory_utilization)
+                    args.calls, args.gpu_memory_utilization, not args.cuda_graphs)
         results[mode] = (in_ray_actor(run_args, args.gpu_memory_utilization) if mode.startswith("ray")
                          else generate_times(*run_args))
+        print(f"{mode}: seconds per call {results[mode]['seconds']}", flush=True)
     print("| mode | tokens per call | first call s | later calls s (median) | tokens/s | OMP threads |")
     print("| --- | --- | --- | --- | --- | --- |")
     for mode, r in results.items():

@@ -77,7 +77,7 @@ class LossSection:
     coverage_coef: float = 0.0  # TCAD coverage regulariser weight (-log of student mass on S)
     impl: str = "auto"  # auto: fused kernels where built (Triton on GPU, C++ twin on CPU) | reference | fused | triton | cpp (error if unavailable)
     fused_lm_head: str | bool = "auto"  # output layer + loss as one call, no logits: auto (on where Triton runs and the objective/teacher are covered) | on | off (YAML's bare on/off = true/false also work)
-    lm_head_engine: str = "auto"  # fused LM head: auto (GPU: chunked for a dense teacher, tiles for a sparse support) | tiles (Triton, logits only on chip) | chunked (library GEMMs into [N, <=4096] blocks) | rows (gradients in the forward from the aggregation's per-token weights: logits formed once, chunk by chunk of rows; any device); without Triton, auto / chunked run the chunked twin
+    lm_head_engine: str = "auto"  # fused LM head: auto (GPU: rows; elsewhere the chunked twin) | tiles (Triton, logits only on chip) | chunked (library GEMMs into [N, <=4096] blocks) | rows (gradients in the forward from the aggregation's per-token weights: logits formed once, chunk by chunk of rows; any device); without Triton, auto / chunked run the chunked twin
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     confidence_alpha: float = 0.0  # TCAD teacher-confidence sequence weights; 0 = uniform
     kl_estimator: str = "k3"  # policy-gradient form: k1 | k3 sampled-token KL estimator

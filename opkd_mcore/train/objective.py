@@ -74,7 +74,7 @@ def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
         scalar = None
         if isinstance(logits_local, LmHeadInput):  # the fused LM head: hidden states + weight shard
             row_weights = None
-            if lm_head_engine(loss, batch.teacher) == "rows":   # the scalar's weights, before the loss
+            if lm_head_engine(loss, batch.teacher, logits_local.hidden) == "rows":   # the scalar's weights, before the loss
                 row_weights = aggregate_row_weights(mask, batch.seq_ids, **agg)
             per_token, metrics, scalar = _fused_head_kd(logits_local, batch, loss, tp_group, row_weights)
         elif isinstance(batch.teacher, HiddenTeacher):  # fused head off: the teacher's logits, formed here
@@ -153,20 +153,30 @@ def fused_lm_head_plan(loss: LossSection, batch: PackedBatch, device, dtype: tor
     return True
 
 
-def lm_head_engine(loss: LossSection, teacher) -> str | None:
-    """The fused LM head's engine for `teacher`: "rows", "chunked", or None for `loss.impl`'s choice
-    (the Triton tiles on a GPU, the chunked twin elsewhere). `rows` (gradients in the forward, on
-    every device; `loss.impl` picks its logits kernels) only when asked for. `auto` takes the chunked
-    engine for a dense teacher's hidden states on the full vocabulary, where its cuBLAS GEMMs beat the
-    tiles, and the tiles for a sparse support, where they are faster and smaller (docs/benchmarks.md)."""
+def lm_head_engine(loss: LossSection, teacher, hidden=None) -> str | None:
+    """The fused LM head's engine for `teacher` and the student's `hidden` rows (a tensor, or anything
+    with its `device` and `dtype`): "rows", "chunked", or None for `loss.impl`'s choice (the Triton
+    tiles on a GPU, the chunked twin elsewhere). `auto` takes `rows` where the Triton kernels run:
+    forming the logits once per chunk of rows and the gradients in the forward does the 4 GEMMs of
+    the unfused path instead of 6, 1.07-1.24x the GEMMs alone against 1.85-2.7x for the recomputing
+    engines, with ~1.2 GiB of chunk buffers (docs/benchmarks.md, 2026-11-25 H100). Elsewhere `auto`
+    keeps the chunked twin, which holds one [rows, 4096] block. A named engine is taken as asked
+    (`rows` on any device, `loss.impl` picking its logits kernels); a named twin (cpp / torch)
+    is never overridden."""
+    from opkd_mcore.losses.fused_linear import engine_name
+
+    impl = _engine_impl(loss.impl)
     if loss.lm_head_engine == "rows":
         return "rows"
-    if _engine_impl(loss.impl) not in ("auto", "triton"):   # cpp / torch named: the twin, as asked
+    if impl not in ("auto", "triton"):   # cpp / torch named: the twin, as asked
         return None
     if loss.lm_head_engine == "chunked":
         return "chunked"
-    if loss.lm_head_engine == "auto" and isinstance(teacher, HiddenTeacher) and loss.support is None:
-        return "chunked"
+    if loss.lm_head_engine == "auto":
+        if hidden is not None and engine_name(hidden, impl) == "triton":
+            return "rows"
+        if isinstance(teacher, HiddenTeacher) and loss.support is None:
+            return "chunked"
     return None
 
 
@@ -190,7 +200,7 @@ def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group, row_we
         scalar, per_token, stats = linear_kd_loss_weighted(head.hidden, head.weight, teacher, row_weights, **kd)
     else:
         per_token, stats = linear_kd_loss_with_stats(head.hidden, head.weight, teacher,
-                                                     engine=lm_head_engine(loss, teacher), **kd)
+                                                     engine=lm_head_engine(loss, teacher, head.hidden), **kd)
     metrics = {"kd/teacher_mass_on_support": stats.teacher_mass,
                "kd/student_mass_on_support": stats.student_mass}
     if isinstance(teacher, HiddenTeacher):  # dense teacher: agreement and NaN rows from the stats pass

@@ -20,6 +20,8 @@
 #   bash tools/gpu/lane.sh steps1         # sync under Ray on 1 GPU, all colocated (controller.placement=colocated)
 #   bash tools/gpu/lane.sh moe1           # the MoE student at EP=1 on 1 GPU (fewer layers)
 #   bash tools/gpu/lane.sh rollout        # one rollout engine: in-process vs in a Ray actor, sleep on/off
+#   bash tools/gpu/lane.sh rollout_graphs # the same engine in-process with CUDA graphs (enforce_eager=false)
+#   bash tools/gpu/lane.sh teacher_hidden # a served teacher: top-64 rows vs hidden states, bytes and tokens/s
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -93,7 +95,7 @@ case "${1:-}" in
   lm_head)  # the fused LM head + KD kernels: correctness on the GPU first, then the benchmark
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_linear_kd_gpu.py 2>&1 \
         | tee "$OUT/lm_head_tests.log" | tail -5
-    python3 tools/bench_kernels.py --mode lm_head --out "$OUT/lm_head_tp1.json" > "$OUT/lm_head_tp1.log" 2>&1
+    python3 tools/bench_kernels.py --mode lm_head --out "$OUT/lm_head_tp1.json" "${@:2}" > "$OUT/lm_head_tp1.log" 2>&1
     tail -45 "$OUT/lm_head_tp1.log" ;;
   lm_head2)
     python3 -m torch.distributed.run --nproc_per_node 2 tools/bench_kernels.py --mode lm_head \
@@ -115,6 +117,14 @@ case "${1:-}" in
     python3 tools/bench_rollout.py --model /tmp/models/qwen3-0.6b --json "$OUT/bench_rollout.json" "${@:2}" \
         > "$OUT/bench_rollout.log" 2>&1; grep "^|" "$OUT/bench_rollout.log" || tail -20 "$OUT/bench_rollout.log"
     pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore' ;;
+  rollout_graphs)  # the same engine with CUDA graphs captured (rollout.enforce_eager=false), in-process
+    python3 tools/bench_rollout.py --model /tmp/models/qwen3-0.6b --modes inprocess,inprocess_sleep --cuda-graphs \
+        --json "$OUT/bench_rollout_graphs.json" "${@:2}" > "$OUT/bench_rollout_graphs.log" 2>&1
+    grep -E "^\||per call" "$OUT/bench_rollout_graphs.log" || tail -20 "$OUT/bench_rollout_graphs.log" ;;
+  teacher_hidden)  # a served teacher: top-64 rows vs final-norm hidden states (exact dense KD), needs `models`
+    python3 tools/bench_teacher.py --model /tmp/models/qwen3-1.7b --ks 64 --hidden --skip-inprocess \
+        --out "$OUT/bench_teacher_hidden.json" > "$OUT/bench_teacher_hidden.log" 2>&1
+    grep "^|" "$OUT/bench_teacher_hidden.log" || tail -20 "$OUT/bench_teacher_hidden.log" ;;
   steps)  # bench_step on the models of `models`: needs Ray (tools/gpu/wheels.sh ray)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
         --teacher-backend vllm --teachers-with-rollout --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --steps 6 \
