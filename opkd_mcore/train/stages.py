@@ -211,7 +211,10 @@ def train_stage(engine, scored: ScoredBatch, loss: LossSection, par: ParallelSec
     if sequence_weights is not None:
         weights = sequence_weights if weights is None else weights * sequence_weights
     micro_batches, counts = pack_micro_batches(scored, par, shard, weights)
+    packed = time.perf_counter()
     metrics = engine.train_step(micro_batches, make_loss_fn(loss, counts, tp_group))
+    # host-side packing vs the device step: where a slow train stage goes (e.g. a one-CPU Ray actor)
+    metrics["timing/train_pack"] = packed - start
     return TrainResult(metrics=metrics, seconds=time.perf_counter() - start)
 
 
