@@ -301,11 +301,16 @@ DEFAULT_FUSED = "triton" if torch.cuda.is_available() else "cpp"
     ("pp2", 2, ("parallel.pp=2",)),
     # the scale run's layout (issue 15) with 4 CPU processes standing in for 4 GPUs
     ("tp2pp2", 4, ("parallel.tp=2", "parallel.pp=2")),
+    # the fused LM head's rows engine (gradients in the forward) through the entry point, on the
+    # student and the in-step teacher's hidden states: the same losses as materialised logits
+    ("tp1-rows", 1, ("loss.fused_lm_head=on", "loss.lm_head_engine=rows")),
 ])
 def test_megatron_teacher_matches_hf_teacher(models, hf_dense_losses, name, nproc, overrides):
     require_devices(nproc)
     run, log = _run_train(models, f"megatron_{name}", nproc, *overrides)
     assert f"loss: fused kernels ({DEFAULT_FUSED})" in log
+    if "loss.lm_head_engine=rows" in overrides:
+        assert "loss.fused_lm_head: on" in log and "lm_head_engine: rows" in log
     assert [row["train/loss"] for row in run] == pytest.approx(hf_dense_losses, rel=1e-4)
     assert all(row["teacher/nonfinite_rows"] == 0 and "teacher/top1_agreement" in row for row in run)
     assert all(row["timing/teacher"] == 0.0 for row in run)  # scored inside the step
