@@ -11,6 +11,8 @@ engine's step at TP=2 (in-step Megatron teacher with seq-mean-token-mean, tied w
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -155,6 +157,9 @@ def test_rows_engine_step_matches_chunked_at_tp2(models):
       "loss.support=null"], "^loss.fused_lm_head: 'on' needs the teacher"),
     (["loss.fused_lm_head=sometimes"], "^loss.fused_lm_head: expected one of"),
     (["loss.lm_head_engine=fastest"], "^loss.lm_head_engine: expected one of"),
+    (["loss.lm_head_chunk_mb=0"], "^loss.lm_head_chunk_mb: expected > 0"),
+    (["loss.lm_head_chunk_mb=1.5"], "^loss.lm_head_chunk_mb"),
+    (["loss.lm_head_chunk_mb=nan"], "^loss.lm_head_chunk_mb"),
 ])
 def test_fused_lm_head_config_errors(models, overrides, match):
     from opkd_mcore.config import ConfigError, load_config
@@ -225,3 +230,28 @@ def test_chunked_engine_name_off_the_gpu_is_the_twin():
 
     engine = select_linear_engine(torch.zeros(3, 4), "chunked")
     assert engine.name == ("chunked-cpp" if cpu_backend.available() else "chunked-torch")
+
+
+def test_lm_head_chunk_mb_reaches_the_rows_engine(monkeypatch):
+    """`loss.lm_head_chunk_mb` is the rows engine's chunk budget in bytes (None: its own default)."""
+    import opkd_mcore.losses as losses
+    from opkd_mcore.config import LossSection
+    from opkd_mcore.losses import TopKTeacher
+    from opkd_mcore.train.lm_head import LmHeadInput
+    from opkd_mcore.train.objective import StepCounts, make_loss_fn
+
+    seen = []
+    real = losses.linear_kd_loss_weighted
+    monkeypatch.setattr(losses, "linear_kd_loss_weighted",
+                        lambda *a, chunk_bytes=None, **kw: seen.append(chunk_bytes) or real(*a, chunk_bytes=chunk_bytes, **kw))
+    g = torch.Generator().manual_seed(0)
+    head = LmHeadInput(torch.randn(6, 4, generator=g, requires_grad=True), torch.randn(10, 4, generator=g))
+    ids = torch.stack([torch.randperm(10, generator=g)[:3] for _ in range(6)])   # distinct per row
+    batch = SimpleNamespace(loss_mask=torch.ones(6), seq_ids=torch.zeros(6, dtype=torch.long),
+                            sequence_weights=None, num_sequences=1, tokens=torch.zeros(6, dtype=torch.long),
+                            teacher=TopKTeacher(ids, torch.log_softmax(torch.randn(6, 3, generator=g), -1)))
+    for mb in (None, 3):
+        loss = LossSection(support="teacher", fused_lm_head="on", lm_head_engine="rows", lm_head_chunk_mb=mb)
+        scalar, _ = make_loss_fn(loss, StepCounts(num_tokens=6, num_seqs=1))(head, batch)
+        scalar.backward()
+    assert seen == [None, 3 << 20] and head.hidden.grad is not None

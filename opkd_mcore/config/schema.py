@@ -78,6 +78,7 @@ class LossSection:
     impl: str = "auto"  # auto: fused kernels where built (Triton on GPU, C++ twin on CPU) | reference | fused | triton | cpp (error if unavailable)
     fused_lm_head: str | bool = "auto"  # output layer + loss as one call, no logits: auto (on where Triton runs and the objective/teacher are covered) | on | off (YAML's bare on/off = true/false also work)
     lm_head_engine: str = "auto"  # fused LM head: auto (GPU: rows; elsewhere the chunked twin) | tiles (Triton, logits only on chip) | chunked (library GEMMs into [N, <=4096] blocks) | rows (gradients in the forward from the aggregation's per-token weights: logits formed once, chunk by chunk of rows; any device); without Triton, auto / chunked run the chunked twin
+    lm_head_chunk_mb: int | None = None  # rows engine: MiB of one chunk's logits (student + dense teacher); None = 1280 off CPU (2048 rows at V=151936 bf16), 32 on CPU; smaller trades speed for memory
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     confidence_alpha: float = 0.0  # TCAD teacher-confidence sequence weights; 0 = uniform
     kl_estimator: str = "k3"  # policy-gradient form: k1 | k3 sampled-token KL estimator

@@ -247,6 +247,8 @@ def _check_fused_lm_head(cfg: TrainConfig) -> None:
     mode = fused_lm_head_mode(loss.fused_lm_head)
     choice("loss.fused_lm_head", mode, FUSED_LM_HEAD_MODES)
     choice("loss.lm_head_engine", loss.lm_head_engine, LM_HEAD_ENGINES)
+    if loss.lm_head_chunk_mb is not None:
+        positive("loss.lm_head_chunk_mb", loss.lm_head_chunk_mb)
     if mode != "on":
         return
     if loss.form != "logit":

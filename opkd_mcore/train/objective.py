@@ -197,7 +197,9 @@ def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group, row_we
           "vocab_end": head.vocab_size}
     scalar = None
     if row_weights is not None:
-        scalar, per_token, stats = linear_kd_loss_weighted(head.hidden, head.weight, teacher, row_weights, **kd)
+        chunk_bytes = None if loss.lm_head_chunk_mb is None else loss.lm_head_chunk_mb << 20
+        scalar, per_token, stats = linear_kd_loss_weighted(head.hidden, head.weight, teacher, row_weights,
+                                                           chunk_bytes=chunk_bytes, **kd)
     else:
         per_token, stats = linear_kd_loss_with_stats(head.hidden, head.weight, teacher,
                                                      engine=lm_head_engine(loss, teacher, head.hidden), **kd)
