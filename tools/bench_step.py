@@ -27,7 +27,8 @@ import time
 SCHEDULES = ("sync", "one_step_off", "two_step_off", "async")
 COLUMNS = (("step", "timing/step"), ("rollout", "timing/rollout"), ("teacher", "timing/teacher"),
            ("train", "timing/train"), ("sync", "timing/weight_sync"), ("wait_roll", "timing/wait_rollout"),
-           ("wait_teach", "timing/wait_teacher"), ("wait_train", "timing/wait_train"))
+           ("wait_teach", "timing/wait_teacher"), ("wait_train", "timing/wait_train"),
+           ("train_pack", "timing/train_pack"), ("fetch", "timing/teacher_fetch"))
 
 
 def parse_args(argv=None):
@@ -85,12 +86,14 @@ def config_overrides(args, student: str, teacher: str, out: str) -> list[str]:
 
 def summarize(history: list[dict]) -> dict:
     rows = history[1:] or history  # the first step warms the engines up
-    out = {name: statistics.median(r[key] for r in rows) for name, key in COLUMNS}
+    out = {name: statistics.median(r.get(key, float("nan")) for r in rows) for name, key in COLUMNS}
     out["sum_of_stages"] = out["rollout"] + out["teacher"] + out["train"] + out["sync"]
     out["overlap"] = statistics.median(r["perf/overlap"] for r in rows)
     out["staleness_max"] = max(r["async/staleness_max"] for r in history)
     out["dropped"] = sum(r["async/dropped"] for r in history)
     out["loss_last"] = history[-1]["train/loss"]
+    # every step's timings too: a median hides a stage that is slow only now and then
+    out["per_step"] = [{key: r.get(key) for _, key in COLUMNS} for r in history]
     return out
 
 
