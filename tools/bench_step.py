@@ -38,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=2, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=32, help="response length cap")
     p.add_argument("--micro-batch", type=int, default=4, help="parallel.micro_batch_size")
+    p.add_argument("--params-dtype", default="float32",
+                   help="model.params_dtype: the student's training and rollout dtype (bfloat16 on GPUs, "
+                        "as configs/gpu_qwen3_0.6b_from_1.7b.yaml)")
     p.add_argument("--engines", type=int, default=1, help="rollout engines")
     p.add_argument("--tp", type=int, default=1, help="trainer tensor-parallel size (= trainer ranks)")
     p.add_argument("--max-staleness", type=int, default=1, help="async: run.max_staleness")
@@ -69,7 +72,7 @@ def tiny_models(root: str, hidden: int, layers: int) -> tuple[str, str]:
 
 def config_overrides(args, student: str, teacher: str, out: str) -> list[str]:
     return [
-        f"model.student={student}", f"teacher.teachers.0.model={teacher}",
+        f"model.student={student}", f"model.params_dtype={args.params_dtype}", f"teacher.teachers.0.model={teacher}",
         f"teacher.teachers.0.backend={args.teacher_backend}", "teacher.teachers.0.top_k=8",
         "loss.support=teacher", f"parallel.tp={args.tp}", f"parallel.micro_batch_size={args.micro_batch}",
         f"parallel.global_batch_size={args.prompts * args.n}", f"rollout.prompts_per_step={args.prompts}",

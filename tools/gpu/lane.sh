@@ -109,7 +109,7 @@ case "${1:-}" in
         --out "$OUT/moe1.json" > "$OUT/moe1.log" 2>&1; grep "^|" "$OUT/moe1.log" || tail -20 "$OUT/moe1.log" ;;
   steps1)  # bench_step on one GPU: trainer rank, rollout engine and teacher share it (colocated: sync only)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
-        --teacher-backend vllm --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --steps 6 --gpu-memory-utilization 0.2 \
+        --teacher-backend vllm --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --params-dtype bfloat16 --steps 6 --gpu-memory-utilization 0.2 \
         --schedules sync \
         --json "$OUT/bench_step1.json" controller.placement=colocated "${@:2}" > "$OUT/bench_step1.log" 2>&1
     tail -6 "$OUT/bench_step1.log" ;;
@@ -127,7 +127,7 @@ case "${1:-}" in
     grep "^|" "$OUT/bench_teacher_hidden.log" || tail -20 "$OUT/bench_teacher_hidden.log" ;;
   steps)  # bench_step on the models of `models`: needs Ray (tools/gpu/wheels.sh ray)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
-        --teacher-backend vllm --teachers-with-rollout --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --steps 6 \
+        --teacher-backend vllm --teachers-with-rollout --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --params-dtype bfloat16 --steps 6 \
         --json "$OUT/bench_step.json" "${@:2}" > "$OUT/bench_step.log" 2>&1
     tail -6 "$OUT/bench_step.log"
     pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|ray::' ;;  # a timed-out run leaves Ray holding GPUs
