@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import traceback
 from datetime import timedelta
@@ -35,10 +36,38 @@ def require_devices(n: int) -> None:
         pytest.skip(f"needs {n} GPUs, this machine has {torch.cuda.device_count()}")
 
 
-def free_port() -> int:
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A port `p` with `p .. p + count - 1` free, below the kernel's ephemeral range: a port the OS
+    hands out for `bind(0)` can be taken again by any socket a later process opens (gloo, a TCPStore
+    client) before the test binds it, which failed a weight-sync test in CI with EADDRINUSE."""
+    rng = random.SystemRandom()
+    high = _ephemeral_low() - count
+    if high <= 15000:   # an unusual ephemeral range: take what the OS hands out
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(200):
+        base = rng.randrange(15000, high)
+        if all(_bindable(base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports in [15000, {high + count})")
 
 
 def _worker(rank, world_size, port, fn, args, env, queue, backend="gloo"):

@@ -117,7 +117,7 @@ def test_ep2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
                    **engine_kwargs(), worker_extension_cls=f"{__name__}.MoeReceiverForTest")
     try:
         before = greedy(llm)
-        cfg = SyncGroupsConfig(base_port=free_port(), num_receivers=1, timeout_s=300, bucket_bytes=1 << 18)
+        cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=300, bucket_bytes=1 << 18)
         handle = VllmSyncHandle(llm)
         joined = handle.join_async(cfg.stage_groups(2))  # one group per source: (stage 0, EP rank 0 / 1)
         received = handle.receive_async()

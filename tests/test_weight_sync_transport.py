@@ -123,7 +123,7 @@ def _collect(queue, n, timeout):
 
 def test_two_stages_two_receivers_bitwise_and_reuse():
     queue = mp.get_context("spawn").Queue()
-    groups = SyncGroupsConfig(base_port=free_port(), num_receivers=2, timeout_s=60).stage_groups(2)
+    groups = SyncGroupsConfig(base_port=free_port(8), num_receivers=2, timeout_s=60).stage_groups(2)
     assert [g.port for g in groups] == [groups[0].port, groups[0].port + 1]
     versions = [3, 4]
     procs = [_start(_sender_proc, s, groups[s], versions, queue) for s in (0, 1)]
@@ -426,7 +426,7 @@ def test_megatron_tp_job_fails_cleanly_when_receiver_dies(tmp_path):
     from tests._dist import run_distributed
 
     hf_dir = save_tiny_hf_model(str(tmp_path / "tiny"), "qwen3", TinyModelShape(num_key_value_heads=2))
-    cfg = SyncGroupsConfig(base_port=free_port(), num_receivers=1, timeout_s=20, join_timeout_s=300,
+    cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=20, join_timeout_s=300,
                            bucket_bytes=64 * 1024)
     queue = mp.get_context("spawn").Queue()
     receiver = _start(_receiver_proc, 1, cfg.stage_groups(1), 1, 1, queue)  # dies after one bucket
@@ -478,7 +478,7 @@ def test_sync_stats_split_host_time_into_pack_wait_and_load():
     time was spent: a slow export shows as the sender's pack time and the receiver's waits, a slow
     load as the receiver's load time."""
     queue = mp.get_context("spawn").Queue()
-    (group,) = SyncGroupsConfig(base_port=free_port(), num_receivers=1, timeout_s=60).stage_groups(1)
+    (group,) = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=60).stage_groups(1)
     export_delay, load_delay = 0.05, 0.1
     procs = [_start(_slow_sender_proc, group, export_delay, queue),
              _start(_slow_receiver_proc, group, load_delay, queue)]

@@ -319,7 +319,7 @@ def test_megatron_student_synced_matches_its_hf_export(engine, checkpoints, tmp_
     llm, fresh = engine
     version = 10 + list(LAYOUTS).index(layout)
     pp = LAYOUTS[layout].get("pp", 1)
-    cfg = SyncGroupsConfig(base_port=free_port(), num_receivers=1, timeout_s=300, bucket_bytes=1 << 20)
+    cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=300, bucket_bytes=1 << 20)
     handle = VllmSyncHandle(llm)
     world = LAYOUTS[layout].get("tp", 1) * pp
     if torch.cuda.is_available() and torch.cuda.device_count() < max(world, 2):
