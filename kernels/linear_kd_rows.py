@@ -180,14 +180,14 @@ class RowsLinearKdResult(tuple):
         return self[1]
 
 
-def _check_row_weights(row_weights, hidden):
+def check_row_weights(row_weights, hidden):
     n = hidden.shape[0]
     if not (isinstance(row_weights, torch.Tensor) and row_weights.is_floating_point()
             and tuple(row_weights.shape) == (n,) and row_weights.device == hidden.device):
         got = (f"{row_weights.dtype} {tuple(row_weights.shape)} on {row_weights.device.type}"
                if isinstance(row_weights, torch.Tensor) else type(row_weights).__name__)
-        raise ValueError(f"row_weights: expected a floating tensor of shape [N={n}] on {hidden.device.type} "
-                         f"(d scalar / d loss_n), got {got}")
+        raise ValueError(f"row_weights: expected a floating tensor of shape [N={n}] on the hidden states' "
+                         f"device ({hidden.device.type}) (d scalar / d loss_n), got {got}")
 
 
 def rows_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor | None = None,
@@ -207,7 +207,7 @@ def rows_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidd
     """
     spec = spec or KdSpec()
     check_linear_inputs(hidden, weight, teacher_hidden, teacher_weight, topk_ids, topk_logprobs, spec)
-    _check_row_weights(row_weights, hidden)
+    check_row_weights(row_weights, hidden)
     impl = select_rows_backend(hidden, backend)
     if impl is None:
         raise ValueError(f"backend: {backend!r} cannot run on a {hidden.device.type} tensor here")

@@ -194,11 +194,9 @@ def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teache
 
 
 def _check_row_weights(row_weights, hidden: torch.Tensor, validate: bool) -> None:
-    n = hidden.shape[0]
-    if not (isinstance(row_weights, torch.Tensor) and row_weights.dim() == 1 and row_weights.shape[0] == n
-            and row_weights.is_floating_point() and row_weights.device == hidden.device):
-        raise ValueError(f"row_weights: expected a floating tensor of shape [N={n}] on the hidden states' "
-                         f"device ({hidden.device.type}), got {validation._describe(row_weights)}")
+    from opkd_kernels.linear_kd_rows import check_row_weights
+
+    check_row_weights(row_weights, hidden)   # shape, dtype, device: the kernel entry's own check
     if validate and not torch.isfinite(row_weights).all():
         raise ValueError("row_weights: expected finite values (d scalar / d loss per token), found inf or NaN")
 
