@@ -28,7 +28,7 @@ class CppKdBackend:
             raise RuntimeError("opkd_kernels._cpu is not built; reinstall with a C++ compiler")
         self._m = _module()
 
-    def row_stats(self, student, teacher, inv_t):
+    def row_stats(self, student, teacher, inv_t, want="ab"):   # computes both sums whatever `want`
         return self._m.row_stats(student, teacher, float(inv_t))
 
     def jsd_sums(self, student, teacher, lse, inv_t, beta):

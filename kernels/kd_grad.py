@@ -31,27 +31,32 @@ def _kd_grad_kernel(z_ptr, t_ptr, g_ptr, lse_ptr, coef_ptr, z_stride, t_stride, 
     lse_u = tl.load(lse_ptr + row * 2 + 1)
     c0 = tl.load(coef_ptr + row * 2)
     c1 = tl.load(coef_ptr + row * 2 + 1)
+    # q = exp2(z * inv_T * log2 e - lse_s * log2 e): one FMA feeds each exp2 (the pass is ALU-bound)
+    c = inv_T * 1.4426950408889634
+    lse_s2 = lse_s * 1.4426950408889634
+    lse_u2 = lse_u * 1.4426950408889634
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
-        s = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32) * inv_T
-        log_q = s - lse_s
-        q = tl.exp(log_q)
+        z = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.exp2(z * c - lse_s2)
         if DIVERGENCE == 0:
             g = c0 * q
         else:
-            u = tl.load(t_ptr + row * t_stride + cols, mask=mask, other=0.0).to(tl.float32) * inv_T
-            log_p = u - lse_u
+            t = tl.load(t_ptr + row * t_stride + cols, mask=mask, other=0.0).to(tl.float32)
             if DIVERGENCE == 1:
-                g = c0 * (q - tl.exp(log_p))
-            elif DIVERGENCE == 2:
-                g = tl.where(q > 0, c0 * q * (log_q - log_p - c1), 0.0)
+                g = c0 * (q - tl.exp2(t * c - lse_u2))
             else:
-                la = log_p + log_beta
-                lb = log_q + log_1m_beta
-                mx = tl.maximum(la, lb)
-                log_m = mx + tl.log(tl.exp(la - mx) + tl.exp(lb - mx))
-                g = tl.where(q > 0, c0 * q * (log_q - log_m - c1), 0.0)
+                log_q = z * inv_T - lse_s
+                log_p = t * inv_T - lse_u
+                if DIVERGENCE == 2:
+                    g = tl.where(q > 0, c0 * q * (log_q - log_p - c1), 0.0)
+                else:
+                    la = log_p + log_beta
+                    lb = log_q + log_1m_beta
+                    mx = tl.maximum(la, lb)
+                    log_m = mx + tl.log(tl.exp(la - mx) + tl.exp(lb - mx))
+                    g = tl.where(q > 0, c0 * q * (log_q - log_m - c1), 0.0)
         tl.store(g_ptr + row * g_stride + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
 
 

@@ -31,7 +31,7 @@ class TorchKdBackend:
 
     name = "torch"
 
-    def row_stats(self, student, teacher, inv_t):
+    def row_stats(self, student, teacher, inv_t, want="ab"):   # computes both sums whatever `want`
         cd = _compute_dtype(student)
         s = student.to(cd) * inv_t
         m_s = s.amax(dim=1).clamp(min=_MAX_FLOOR)
