@@ -149,6 +149,33 @@ def _sparse_objective_vs_torch(kind, beta, mass):
     assert [t.shape for t in empty] == [(0,), (0, 6), (0,)]
 
 
+def _row_stats_primitive():
+    """`kd_row_stats.row_stats` against float64: maxima and sums at T != 1, -inf logits, rows that
+    span several blocks and one that ends mid-block, and `want` (a column not wanted is 0)."""
+    from opkd_kernels.kd_row_stats import row_stats
+
+    z, t = cases.make_logits(N, 83, seed=11)
+    z[1, :40], t[2, 5:] = float("-inf"), float("-inf")    # a student and a teacher mostly -inf
+    inv_t = 1 / 1.7
+    s, u = z.double() * inv_t, t.double() * inv_t
+    m_s, m_u = s.amax(1), u.amax(1)
+    e_s, e_u = (s - m_s[:, None]).exp(), (u - m_u[:, None]).exp()
+    # a teacher mass where the student is -inf makes a = +inf (and b the other way round), as it
+    # should: the divergence is infinite there; a zero weight times an infinite log-ratio is 0
+    a = (e_u * torch.where(e_u > 0, u - s, 0.0)).sum(1)
+    b = (e_s * torch.where(e_s > 0, s - u, 0.0)).sum(1)
+    assert a[1].isinf() and b[2].isinf()
+    expected = torch.stack([m_s, e_s.sum(1), m_u, e_u.sum(1), a, b], dim=1)
+    for want, zeroed in (("ab", []), ("a", [5]), ("b", [4]), ("", [4, 5])):
+        got = row_stats(z.float(), t.float(), inv_t, block_v=16, num_warps=1, want=want).double()
+        exp = expected.clone()
+        exp[:, zeroed] = 0.0
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5, msg=lambda m: f"want={want!r}: {m}")
+    student_only = row_stats(z.float(), None, inv_t, block_v=16, num_warps=1).double()
+    torch.testing.assert_close(student_only[:, :2], expected[:, :2], rtol=1e-5, atol=1e-5)
+    assert not student_only[:, 2:].any()
+
+
 def _case_id(kd) -> str:
     return "-".join(f"{k}={v}" for k, v in kd.items())
 
@@ -172,6 +199,7 @@ CASES.update({
     "extreme-logits-finite": (_extreme_logits, ()),
     "grad-in-place-into-logits": (_in_place, ()),
     "in-place-other-consumer-raises": (_in_place_other_consumer_fails_loudly, ()),
+    "row-stats-primitive-vs-float64": (_row_stats_primitive, ()),
 })
 
 
