@@ -49,6 +49,11 @@ class KdSpec:
     coverage_coef: float = 0.0       # weight of -log(student mass on S)
 
 
+# The maxima of the row stats (m_s, m_u) as a strided slice: a Python list index would build a host
+# tensor and copy it to the device, which blocks the host until the stats kernel has finished.
+_MAX_COLUMNS = slice(0, 3, 2)
+
+
 # ---------------------------------------------------------------- TP collectives (explicit group)
 def tp_size(group) -> int:
     # group None means "no tensor parallelism", not the default (world) group
@@ -75,10 +80,11 @@ def merge_stats(parts_SN6: torch.Tensor) -> torch.Tensor:
     a (teacher-weighted) rescales with the teacher max, b (student-weighted) with the student max."""
     if parts_SN6.shape[0] == 1:
         return parts_SN6[0]
-    m = parts_SN6[:, :, [0, 2]].amax(dim=0)                                     # [N, 2]
-    scale = torch.exp(parts_SN6[:, :, [0, 2]] - m)                              # [S, N, 2]
+    maxima = parts_SN6[:, :, _MAX_COLUMNS]                                      # [S, N, 2]
+    m = maxima.amax(dim=0)                                                      # [N, 2]
+    scale = torch.exp(maxima - m)                                               # [S, N, 2]
     out = torch.empty_like(parts_SN6[0])
-    out[:, [0, 2]] = m
+    out[:, _MAX_COLUMNS] = m
     out[:, 1] = (parts_SN6[:, :, 1] * scale[:, :, 0]).sum(dim=0)
     out[:, 3] = (parts_SN6[:, :, 3] * scale[:, :, 1]).sum(dim=0)
     out[:, 4] = (parts_SN6[:, :, 4] * scale[:, :, 1]).sum(dim=0)
@@ -88,7 +94,7 @@ def merge_stats(parts_SN6: torch.Tensor) -> torch.Tensor:
 
 def reduce_stats(stats: torch.Tensor, group):
     """Shard stats (m_s, l_s, m_u, l_u, a, b) -> global (lse [N, 2], a / l_u, b / l_s)."""
-    m_local = stats[:, [0, 2]].contiguous()
+    m_local = stats[:, _MAX_COLUMNS].contiguous()
     m_global = all_reduce(m_local.clone(), dist.ReduceOp.MAX, group)
     scale = torch.exp(m_local - m_global)
     sums = torch.stack([stats[:, 1] * scale[:, 0], stats[:, 3] * scale[:, 1],

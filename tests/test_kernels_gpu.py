@@ -81,6 +81,23 @@ def test_dispatch_goes_to_fused_kernels_on_cuda():
     torch.testing.assert_close(auto, fused, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("kd", CASES, ids=lambda kd: "-".join(map(str, kd.values())))
+def test_fused_forward_and_backward_never_sync_the_host(kd):
+    """The CPU test (tests/test_kernels_no_host_sync.py) checks the ops; this checks CUDA itself:
+    any synchronising call between the first launch and the gradient raises."""
+    z, teacher = _inputs("cuda", torch.bfloat16, kd)
+    weights = torch.rand(N, device="cuda") + 0.5
+    logits = z.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = fused_kd_loss_or_none(logits, teacher, **_kd(kd))
+        (loss * weights).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits.grad is not None and loss.shape == (N,)
+
+
 def _tp2_worker(rank, world):
     import torch.distributed as dist
 

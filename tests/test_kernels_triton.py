@@ -170,7 +170,7 @@ def _row_stats_primitive():
         got = row_stats(z.float(), t.float(), inv_t, block_v=16, num_warps=1, want=want).double()
         exp = expected.clone()
         exp[:, zeroed] = 0.0
-        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5, msg=lambda m: f"want={want!r}: {m}")
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5, msg=lambda m, want=want: f"want={want!r}: {m}")
     student_only = row_stats(z.float(), None, inv_t, block_v=16, num_warps=1).double()
     torch.testing.assert_close(student_only[:, :2], expected[:, :2], rtol=1e-5, atol=1e-5)
     assert not student_only[:, 2:].any()
