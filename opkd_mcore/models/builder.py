@@ -84,7 +84,11 @@ def layer_spec(bridge: ModelBridge, use_te: bool | None = None):
     """Transformer Engine spec when TE is usable, else Megatron's local spec with SDPA attention."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from opkd_mcore.platform import megatron_thd_rope
+
     use_te = _use_transformer_engine() if use_te is None else use_te
+    # unfused packed-sequence RoPE (no TE, or TE without rope fusion) without Megatron's host syncs
+    megatron_thd_rope.install()
     # MoE: SequentialMLP experts (moe_grouped_gemm=False), whose per-expert parameter names the
     # bridge maps; the grouped-GEMM modules need TE or the grouped_gemm package
     num_experts = bridge.num_experts if bridge.is_moe else None

@@ -16,16 +16,66 @@ thd input q [t, heads, d], k/v [t, groups, d] -> [t, heads*d].
 """
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 # Packed sequences go through SDPA as one padded batch when padding costs at most this factor in
 # tokens (B * longest <= budget * T); one call per sequence otherwise (a long sequence among short ones)
 PADDED_BATCH_BUDGET = 2.0
+
+
+class PackedLayout:
+    """The host copy of one `cu_seqlens` tensor and its padded-batch gather indices per device.
+
+    Every layer of a forward receives the same `PackedSeqParams`, so reading the boundaries once per
+    tensor (not once per layer) leaves one device -> host read per micro-batch: each read makes the
+    host wait for the device's queue to drain before it can launch the next layer."""
+
+    def __init__(self, cu_seqlens: torch.Tensor):
+        self._tensor = weakref.ref(cu_seqlens)
+        self._version = _version_of(cu_seqlens)
+        self.bounds: list[int] = cu_seqlens.tolist()
+        self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def describes(self, cu_seqlens: torch.Tensor) -> bool:
+        """Same tensor object, not modified in place since it was read."""
+        return self._tensor() is cu_seqlens and _version_of(cu_seqlens) == self._version
+
+    def padded_batch_indices(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, position in it) `[T]` of every packed token, on `device`."""
+        if device not in self._indices:
+            lens = torch.tensor([b - a for a, b in itertools.pairwise(self.bounds)])
+            seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+            pos = torch.arange(self.bounds[-1]) - torch.repeat_interleave(torch.tensor(self.bounds[:-1]), lens)
+            self._indices[device] = (seq.to(device, non_blocking=True), pos.to(device, non_blocking=True))
+        return self._indices[device]
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:   # inference-mode tensors keep no version counter
+        return None
+
+
+_RECENT_LAYOUTS: list[PackedLayout] = []
+_RECENT_LAYOUTS_KEPT = 4   # q and kv boundaries of the current micro-batch, and the previous ones
+
+
+def packed_layout(cu_seqlens: torch.Tensor) -> PackedLayout:
+    """The `PackedLayout` of this tensor, read from the device only the first time it is seen."""
+    for layout in _RECENT_LAYOUTS:
+        if layout.describes(cu_seqlens):
+            return layout
+    layout = PackedLayout(cu_seqlens)
+    _RECENT_LAYOUTS.insert(0, layout)
+    del _RECENT_LAYOUTS[_RECENT_LAYOUTS_KEPT:]
+    return layout
 
 
 class SdpaCoreAttention(nn.Module):
@@ -77,7 +127,8 @@ class SdpaCoreAttention(nn.Module):
             else params.cu_seqlens_q
         cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None \
             else params.cu_seqlens_kv
-        bounds_q, bounds_kv = cu_q.tolist(), cu_kv.tolist()
+        layout = packed_layout(cu_q)
+        bounds_q, bounds_kv = layout.bounds, (layout if cu_kv is cu_q else packed_layout(cu_kv)).bounds
         if bounds_q != bounds_kv:
             raise ValueError("SdpaCoreAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
         if bounds_q[-1] > query.shape[0]:
@@ -85,7 +136,7 @@ class SdpaCoreAttention(nn.Module):
                              f"input has {query.shape[0]} tokens")
         lengths = [end - start for start, end in zip(bounds_q[:-1], bounds_q[1:])]
         if causal and len(lengths) > 1 and max(lengths) * len(lengths) <= PADDED_BATCH_BUDGET * bounds_q[-1]:
-            return self._as_padded_batch(query, key, value, bounds_q, lengths)
+            return self._as_padded_batch(query, key, value, layout, lengths)
         out = query.new_zeros(query.shape[0], query.shape[1], query.shape[2])
         for start, end in zip(bounds_q[:-1], bounds_q[1:]):
             if end <= start:
@@ -95,16 +146,13 @@ class SdpaCoreAttention(nn.Module):
             out[start:end] = self._sdpa(q, k, v, causal)[0].permute(1, 0, 2)
         return out.reshape(query.shape[0], -1)
 
-    def _as_padded_batch(self, query, key, value, bounds: list[int], lengths: list[int]):
+    def _as_padded_batch(self, query, key, value, layout: PackedLayout, lengths: list[int]):
         """Causal attention of the packed sequences as one right-padded batch [B, n, S_max, d]:
         one SDPA call instead of one per sequence. Right padding needs no mask under causal
         attention: a real query at position t only sees keys 0..t, which are all real; the padded
         queries' outputs are dropped."""
-        total, longest, device = bounds[-1], max(lengths), query.device
-        lens = torch.tensor(lengths)
-        seq = torch.repeat_interleave(torch.arange(len(lengths)), lens)
-        pos = torch.arange(total) - torch.repeat_interleave(torch.tensor(bounds[:-1]), lens)
-        seq, pos = seq.to(device, non_blocking=True), pos.to(device, non_blocking=True)
+        total, longest = layout.bounds[-1], max(lengths)
+        seq, pos = layout.padded_batch_indices(query.device)
 
         def batched(x):  # [T, n, d] -> [B, n, S_max, d]
             padded = x.new_zeros(len(lengths), longest, x.shape[1], x.shape[2])

@@ -183,7 +183,7 @@ def pad_for_pipeline(batch: PackedBatch, length: int) -> PackedBatch:
     return PackedBatch(
         tokens=torch.cat([batch.tokens, torch.zeros(pad, dtype=torch.int64, device=device)]),
         position_ids=torch.cat([batch.position_ids, torch.arange(pad, dtype=torch.int64, device=device)]),
-        cu_seqlens=torch.cat([batch.cu_seqlens, torch.tensor([length], dtype=torch.int32, device=device)]),
+        cu_seqlens=torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_full((1,), length)]),
         loss_mask=torch.cat([batch.loss_mask, torch.zeros(pad, dtype=batch.loss_mask.dtype, device=device)]),
     )
 
