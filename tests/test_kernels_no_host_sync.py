@@ -5,11 +5,8 @@ stats pass runs, so the device idles for the host's Python in between. On 2026-1
 list index (`stats[:, [0, 2]]`: a host index tensor copied to the device, a blocking copy) cost
 ~1.5 ms of a 9 ms forward-KL call on an H200.
 
-On CPU every op runs synchronously, so the check is on what the ops are: no tensor built from
-Python data (`aten.lift_fresh`, the mark of a list index or `torch.tensor(...)` inside the
-loss), no `.item()` (`_local_scalar_dense`), no `nonzero` (a data-dependent shape), no copy to
-or from another device. Python scalars (0-dim, passed to the kernel by value) are allowed. `tests/test_kernels_gpu.py` runs the same calls under
-`torch.cuda.set_sync_debug_mode("error")`.
+On CPU every op runs synchronously, so the check is on what the ops are (`tests/_host_sync.py`);
+`tests/test_kernels_gpu.py` runs the same calls under `torch.cuda.set_sync_debug_mode("error")`.
 """
 from __future__ import annotations
 
@@ -19,35 +16,15 @@ from opkd_kernels import cpu_backend
 from opkd_kernels.fused_kd import KdSpec, fused_kd_loss
 from opkd_kernels.fused_linear_kd import fused_linear_kd_loss
 from opkd_kernels.linear_kd_rows import rows_linear_kd_loss
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from opkd_mcore.losses import DenseTeacher, TopKTeacher
 from opkd_mcore.losses.aggregation import aggregate, aggregate_row_weights
 from opkd_mcore.losses.kd_loss import kd_loss_with_stats
+from tests._host_sync import SyncingOpRecorder
 
 pytestmark = pytest.mark.skipif(not cpu_backend.available(), reason="the C++ twin is not built")
 
-SYNCING_OPS = ("aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero", "aten.item")
 N, V, H = 12, 97, 16
-
-
-class SyncingOpRecorder(TorchDispatchMode):
-    """Records every op that would block the host on an accelerator."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = str(func)
-        if name.startswith("aten.lift_fresh") and args[0].dim() == 0:
-            pass   # a Python scalar (`z[:, a:] = -1e4`): a wrapped number, passed by value, no copy
-        elif name.startswith(SYNCING_OPS):
-            self.seen.append(name)
-        elif name.startswith("aten._to_copy") and "device" in kwargs and kwargs["device"] != args[0].device:
-            self.seen.append(f"{name} to {kwargs['device']}")
-        return func(*args, **kwargs)
 
 
 def _teacher(dense: bool, seed: int):

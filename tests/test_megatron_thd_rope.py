@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests.test_kernels_no_host_sync import SyncingOpRecorder
+from tests._host_sync import SyncingOpRecorder
 
 pytest.importorskip("megatron.core")
 
