@@ -261,13 +261,16 @@ def kd_objective(z, t, ids, logprobs, spec: KdSpec, backend, group, need_grad: b
     return loss, teacher_mass, student_mass, KdGradState(lse, d_lse, local=local, s_S=s_S, d_s=d_s)
 
 
-def write_kd_grad(z, t, state: KdGradState, grad_loss, out, spec: KdSpec, backend):
-    """`out` = d(sum_n grad_loss[n] loss[n]) / dz (`out` may be `z` itself: written in place)."""
+def write_kd_grad(z, t, state: KdGradState, grad_loss, out, spec: KdSpec, backend, teacher_top1=None):
+    """`out` = d(sum_n grad_loss[n] loss[n]) / dz (`out` may be `z` itself: written in place).
+    `teacher_top1`: (values, columns) [N] for the dense teacher's row maxima, filled in the same pass
+    (full-vocabulary objectives, backends with `writes_teacher_top1`)."""
     inv_t = 1.0 / spec.temperature
     g = grad_loss.float() * inv_t
     if state.s_S is None:
         coef = torch.stack([g * state.factor, state.row_coef], dim=1)
-        return backend.write_grad(z, t, out, state.lse, coef, inv_t, spec.beta, state.code)
+        top1 = {} if teacher_top1 is None else {"teacher_top1": teacher_top1}
+        return backend.write_grad(z, t, out, state.lse, coef, inv_t, spec.beta, state.code, **top1)
     coef = torch.stack([g * state.row_coef, torch.zeros_like(g)], dim=1)
     backend.write_grad(z, None, out, state.lse, coef, inv_t, spec.beta, 0)
     return backend.sparse_scatter(out, state.local, state.s_S, state.d_s * g[:, None], state.lse, coef)

@@ -108,17 +108,21 @@ def _chunk(inp: LinearInputs, rows: slice, ids, logprobs, c, spec, backend, grou
     part_ids = None if ids is None else ids[rows]
     part_lp = None if logprobs is None else logprobs[rows]
     loss, teacher_mass, student_mass, state = kd_objective(z, u, part_ids, part_lp, spec, backend, group, need_grad)
-    if u is not None:
+    # the gradient pass reads u anyway: where it can, it also finds the teacher's row maxima
+    fused_top1 = need_grad and u is not None and state.s_S is None and getattr(backend, "writes_teacher_top1", False)
+    if fused_top1:
+        top_val, top_col = torch.empty_like(loss), torch.empty(loss.shape, dtype=torch.int64, device=loss.device)
+    elif u is not None:
         top_val, top_col = u.max(dim=1)
+    if need_grad:
+        write_kd_grad(z, u, state, c[rows], z, spec, backend, (top_val, top_col) if fused_top1 else None)
+        if inp.student_end < inp.vocab:   # padding columns are constants, not functions of W
+            z[:, inp.student_end:] = 0
+    if u is not None:
         top1 = global_argmax(top_val.float(), top_col, tp_rank(group) * inp.vocab, group)
     else:
         top1 = torch.full_like(loss, -1, dtype=torch.int64)
-    if not need_grad:
-        return (loss, teacher_mass, student_mass, state.lse, top1), None
-    write_kd_grad(z, u, state, c[rows], z, spec, backend)
-    if inp.student_end < inp.vocab:   # padding columns are constants, not functions of W
-        z[:, inp.student_end:] = 0
-    return (loss, teacher_mass, student_mass, state.lse, top1), z
+    return (loss, teacher_mass, student_mass, state.lse, top1), (z if need_grad else None)
 
 
 class RowsLinearKdLoss(torch.autograd.Function):
@@ -152,6 +156,7 @@ class RowsLinearKdLoss(torch.autograd.Function):
         # where, not c * loss: a row with weight 0 adds nothing even when its loss is not finite
         scalar = torch.where(c != 0, c * loss, torch.zeros_like(loss)).sum()
         ctx.grads = (d_h, d_w.result() if d_w is not None else None)
+        ctx.scale = getattr(backend, "scale_", None) or torch.Tensor.mul_
         ctx.mark_non_differentiable(loss, teacher_mass, student_mass, lse, top1)
         return scalar, loss, teacher_mass, student_mass, lse, top1
 
@@ -163,7 +168,7 @@ class RowsLinearKdLoss(torch.autograd.Function):
         d_h, d_w = ctx.grads
         ctx.grads = None
         g = grad_scalar.float()   # scaled in place: the stored gradients are not needed again
-        return (d_h.mul_(g) if d_h is not None else None, d_w.mul_(g) if d_w is not None else None,
+        return (ctx.scale(d_h, g) if d_h is not None else None, ctx.scale(d_w, g) if d_w is not None else None,
                 None, None, None, None, None, None, None, None, None, None, None, None)
 
 

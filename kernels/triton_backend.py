@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kd_grad, kd_jsd_sums, kd_row_stats, kd_sparse_objective, kd_sparse_scatter
+from . import kd_grad, kd_jsd_sums, kd_row_stats, kd_scale, kd_sparse_objective, kd_sparse_scatter
 from ._jit import interpreting
 
 
@@ -35,6 +35,7 @@ class TritonKdBackend:
     """Row-parallel Triton kernels; every primitive takes `[N, V_local]` rows with unit stride."""
 
     name = "triton"
+    writes_teacher_top1 = True   # write_grad(..., teacher_top1=) fills it in the same pass
 
     def __init__(self, launch: TritonLaunch | None = None):
         self._launch = launch
@@ -50,9 +51,14 @@ class TritonKdBackend:
         c = self._cfg(student.shape[1])
         return kd_jsd_sums.jsd_sums(student, teacher, lse, inv_t, beta, c.block_v, c.num_warps)
 
-    def write_grad(self, student, teacher, out, lse, coef, inv_t, beta, code):
+    def write_grad(self, student, teacher, out, lse, coef, inv_t, beta, code, teacher_top1=None):
         c = self._cfg(student.shape[1])
-        return kd_grad.write_grad(student, teacher, out, lse, coef, inv_t, beta, code, c.block_v, c.num_warps)
+        return kd_grad.write_grad(student, teacher, out, lse, coef, inv_t, beta, code, c.block_v, c.num_warps,
+                                  teacher_top1)
+
+    def scale_(self, x, g):
+        """`x *= g` (0-dim float32 `g` on the device), vectorised; see `kd_scale`."""
+        return kd_scale.scale_(x, g)
 
     def sparse_scatter(self, out, local_ids, s_support, d_support, lse, coef):
         return kd_sparse_scatter.sparse_scatter(out, local_ids, s_support, d_support, lse, coef)

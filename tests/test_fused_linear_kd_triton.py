@@ -85,6 +85,36 @@ def _rows_engine():
                            mass="tail", coverage_coef=0.2)
 
 
+def _rows_teacher_top1_and_scale():
+    """The rows engine's gradient pass writes the teacher's row maxima: on tied maxima (columns 5, 35
+    and 37: two lanes of the interpreter's 32-column blocks, one of them twice) the first column, as
+    argmax; without a gradient the engine's own max(dim=1). The gradients' in-place scaling kernel
+    equals mul_ (several blocks, a partial one), and non-contiguous tensors take mul_ itself."""
+    from opkd_kernels.kd_scale import scale_
+
+    from opkd_mcore.losses import linear_kd_loss_weighted
+
+    h, w, ht, wt = (x.float() for x in lk.make_inputs(10))
+    ht[:, 0], wt[:, 0] = 8.0, 0.0
+    wt[5, 0] = 2.0
+    wt[35] = wt[37] = wt[5]
+    u = ht @ wt.T
+    assert torch.equal(u.argmax(1), torch.full((lk.N,), 5)) and torch.equal(u[:, 5], u[:, 37])
+    for grad in (True, False):
+        hh = h.clone().requires_grad_(grad)
+        _, _, stats = linear_kd_loss_weighted(hh, w, HiddenTeacher(ht, wt), torch.ones(lk.N), impl="triton",
+                                              chunk_rows=4)
+        assert torch.equal(stats.teacher_top1, u.argmax(1)), (grad, stats.teacher_top1)
+    g = torch.tensor(0.37)
+    for x in (torch.randn(3, 3001), torch.randn(3001, 3).bfloat16().T):
+        assert torch.equal(scale_(x.clone(), g), x.clone().mul_(g))
+    # the interpreter converts float32 to bf16 by truncation, not rounding: within one bf16 spacing
+    # here (tests/test_kernels_gpu.py checks the compiled kernel's rounding bit for bit)
+    x = torch.randn(3, 3001).bfloat16()
+    exact = x.float() * g
+    assert ((scale_(x.clone(), g).float() - exact).abs() <= exact.abs() * 2.0 ** -7).all()
+
+
 CASES = {}
 for _kd, _dt in [(dict(divergence="forward_kl"), torch.float32), (dict(divergence="forward_kl"), torch.bfloat16),
                  (dict(divergence="reverse_kl", temperature=1.7), torch.float32),
@@ -96,7 +126,8 @@ for _kd in [cases.TOPK_CASES[1], cases.TOPK_CASES[2], cases.TOPK_CASES[7]]:
 for _kd in [cases.DENSE_SUPPORT_CASES[0], cases.DENSE_SUPPORT_CASES[2]]:
     CASES[f"dense-support-{lk._ids(_kd)}"] = (_dense_support, (_kd,))
 CASES.update({"vocabulary-padding": (_padding, ()), "many-blocks": (_many_blocks, ()),
-              "teacher-top1": (_teacher_top1, ()), "rows-engine": (_rows_engine, ())})
+              "teacher-top1": (_teacher_top1, ()), "rows-engine": (_rows_engine, ()),
+              "rows-teacher-top1-and-scale": (_rows_teacher_top1_and_scale, ())})
 
 
 def _run_all_cases(rank, world):

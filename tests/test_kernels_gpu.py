@@ -126,3 +126,14 @@ def test_fused_tp2_over_nccl_matches_tp1():
     per_rank = run_distributed(_tp2_worker, 2, env={"NCCL_NVLS_ENABLE": "0",
                                                     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
     assert per_rank[0] == per_rank[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_scale_kernel_rounds_like_a_float32_product(dtype):
+    """The rows engine's in-place gradient scaling: float32 product, rounded once (several blocks)."""
+    from opkd_kernels.kd_scale import scale_
+
+    x = torch.randn(1237, 4099, device="cuda").to(dtype)
+    g = torch.tensor(0.37, device="cuda")
+    assert torch.equal(scale_(x.clone(), g), (x.float() * g).to(dtype))
+
