@@ -22,6 +22,7 @@ import torch
 import triton.language as tl
 
 from ._jit import lazy_jit
+from ._log2 import LN2, LOG2E
 
 DIV_SPARSE_ONLY, DIV_FORWARD_KL, DIV_REVERSE_KL, DIV_JSD = 0, 1, 2, 3
 
@@ -36,9 +37,9 @@ def _kd_grad_kernel(z_ptr, t_ptr, g_ptr, lse_ptr, coef_ptr, top_val_ptr, top_col
     c0 = tl.load(coef_ptr + row * 2)
     c1 = tl.load(coef_ptr + row * 2 + 1)
     # q = exp2(z * inv_T * log2 e - lse_s * log2 e): one FMA feeds each exp2 (the pass is ALU-bound)
-    c = inv_T * 1.4426950408889634
-    lse_s2 = lse_s * 1.4426950408889634
-    lse_u2 = lse_u * 1.4426950408889634
+    c = inv_T * LOG2E
+    lse_s2 = lse_s * LOG2E
+    lse_u2 = lse_u * LOG2E
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_col = tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, V, BLOCK_V):
@@ -63,7 +64,7 @@ def _kd_grad_kernel(z_ptr, t_ptr, g_ptr, lse_ptr, coef_ptr, top_val_ptr, top_col
                     g = tl.where(q > 0, c0 * q * (log_q - log_p - c1), 0.0)
                 else:   # m in linear space, one log2 (as kd_jsd_sums); m >= (1 - beta) q > 0 unless it underflows
                     m = beta * tl.exp2(t * c - lse_u2) + (1.0 - beta) * q
-                    log_qm = (z * c - lse_s2 - tl.log2(m)) * 0.6931471805599453
+                    log_qm = (z * c - lse_s2 - tl.log2(m)) * LN2
                     g = tl.where((q > 0) & (m > 0), c0 * q * (log_qm - c1), 0.0)
         tl.store(g_ptr + row * g_stride + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
     if TOP1:   # the row's maximum, and the smallest column among the lanes that hold it

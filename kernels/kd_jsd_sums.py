@@ -12,6 +12,7 @@ import torch
 import triton.language as tl
 
 from ._jit import lazy_jit
+from ._log2 import LN2, LOG2E
 
 
 def _kd_jsd_sums_kernel(z_ptr, t_ptr, lse_ptr, out_ptr, z_stride, t_stride, V, inv_T,
@@ -20,9 +21,9 @@ def _kd_jsd_sums_kernel(z_ptr, t_ptr, lse_ptr, out_ptr, z_stride, t_stride, V, i
     offs = tl.arange(0, BLOCK_V)
     # base-2 logs: each exp2 fed by one FMA, m formed in linear space and one log2 (3 transcendentals
     # per element, not logaddexp's 5: the pass is ALU-bound); scaled back to nats once per row
-    c = inv_T * 1.4426950408889634
-    lse_s2 = tl.load(lse_ptr + row * 2) * 1.4426950408889634
-    lse_u2 = tl.load(lse_ptr + row * 2 + 1) * 1.4426950408889634
+    c = inv_T * LOG2E
+    lse_s2 = tl.load(lse_ptr + row * 2) * LOG2E
+    lse_u2 = tl.load(lse_ptr + row * 2 + 1) * LOG2E
     acc_loss = tl.zeros([BLOCK_V], tl.float32)
     acc_kqm = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, V, BLOCK_V):
@@ -40,8 +41,8 @@ def _kd_jsd_sums_kernel(z_ptr, t_ptr, lse_ptr, out_ptr, z_stride, t_stride, V, i
         p_term = tl.where(mask & (p > 0) & (m > 0), p * (log2_p - log2_m), 0.0)
         acc_loss += beta * p_term + (1.0 - beta) * q_term
         acc_kqm += q_term
-    tl.store(out_ptr + row * 2, tl.sum(acc_loss, 0) * 0.6931471805599453)
-    tl.store(out_ptr + row * 2 + 1, tl.sum(acc_kqm, 0) * 0.6931471805599453)
+    tl.store(out_ptr + row * 2, tl.sum(acc_loss, 0) * LN2)
+    tl.store(out_ptr + row * 2 + 1, tl.sum(acc_kqm, 0) * LN2)
 
 
 _KERNEL = lazy_jit(_kd_jsd_sums_kernel)
