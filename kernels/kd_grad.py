@@ -62,7 +62,7 @@ def _kd_grad_kernel(z_ptr, t_ptr, g_ptr, lse_ptr, coef_ptr, top_val_ptr, top_col
                     log_q = z * inv_T - lse_s
                     log_p = t * inv_T - lse_u
                     g = tl.where(q > 0, c0 * q * (log_q - log_p - c1), 0.0)
-                else:   # m in linear space, one log2 (as kd_jsd_sums); m >= (1 - beta) q > 0 unless it underflows
+                else:   # m in linear space, one log2 (as kd_jsd_sums); m >= (1 - beta) q
                     m = beta * tl.exp2(t * c - lse_u2) + (1.0 - beta) * q
                     log_qm = (z * c - lse_s2 - tl.log2(m)) * LN2
                     g = tl.where((q > 0) & (m > 0), c0 * q * (log_qm - c1), 0.0)

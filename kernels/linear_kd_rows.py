@@ -109,9 +109,11 @@ def _chunk(inp: LinearInputs, rows: slice, ids, logprobs, c, spec, backend, grou
     part_lp = None if logprobs is None else logprobs[rows]
     loss, teacher_mass, student_mass, state = kd_objective(z, u, part_ids, part_lp, spec, backend, group, need_grad)
     # the gradient pass reads u anyway: where it can, it also finds the teacher's row maxima
-    fused_top1 = need_grad and u is not None and state.s_S is None and getattr(backend, "writes_teacher_top1", False)
+    fused_top1 = (need_grad and u is not None and state.s_S is None
+                  and getattr(backend, "writes_teacher_top1", False))
     if fused_top1:
-        top_val, top_col = torch.empty_like(loss), torch.empty(loss.shape, dtype=torch.int64, device=loss.device)
+        top_val = torch.empty_like(loss)
+        top_col = torch.empty(loss.shape, dtype=torch.int64, device=loss.device)
     elif u is not None:
         top_val, top_col = u.max(dim=1)
     if need_grad:
@@ -168,8 +170,8 @@ class RowsLinearKdLoss(torch.autograd.Function):
         d_h, d_w = ctx.grads
         ctx.grads = None
         g = grad_scalar.float()   # scaled in place: the stored gradients are not needed again
-        return (ctx.scale(d_h, g) if d_h is not None else None, ctx.scale(d_w, g) if d_w is not None else None,
-                None, None, None, None, None, None, None, None, None, None, None, None)
+        d_h, d_w = (None if d is None else ctx.scale(d, g) for d in (d_h, d_w))
+        return (d_h, d_w, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 class RowsLinearKdResult(tuple):

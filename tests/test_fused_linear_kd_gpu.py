@@ -161,8 +161,8 @@ def test_rows_engine_matches_float64_materialised_logits(kd, kind, dtype, chunk_
         teacher = TopKTeacher(ids, lp.float())
     weights = torch.rand(N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) + 0.5
     hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
-    scalar, loss, stats = linear_kd_loss_weighted(hl, wl, teacher, weights, impl="triton", chunk_rows=chunk_rows,
-                                                  **kd)
+    scalar, loss, stats = linear_kd_loss_weighted(hl, wl, teacher, weights, impl="triton",
+                                                  chunk_rows=chunk_rows, **kd)
     scalar.backward()
     if kind == "hidden":   # exact logits in steps of 1/4: many tied maxima, the first column wins
         u = teacher.hidden.double() @ teacher.weight.double().T

@@ -318,6 +318,23 @@ def test_megatron_teacher_matches_hf_teacher(models, hf_dense_losses, name, npro
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_vllm_teacher_sending_hidden_states_matches_hf_teacher(models, hf_dense_losses):
+    """Exact dense KD from an in-process vLLM teacher's final-norm hidden states (`output: hidden`,
+    the fused LM head applying the teacher's output weight) through `opkd train`: the losses of the
+    `hf` teacher's full logits of the same checkpoint. The hidden states are bf16 rows (the wire
+    format, `teacher/hidden_states.py`): a relative rounding of up to 2^-9 per element moves this
+    teacher's logits by ~1e-3 and the losses by ~2e-4 relative (seen: 1.9e-4), against 1e-4 for the
+    float32 teachers above; a wrong output weight, position or final norm changes the teacher's
+    distribution itself, far beyond that."""
+    run, log = _run_train(models, "vllm_hidden", 1, "teacher.teachers.0.backend=vllm",
+                          "teacher.teachers.0.output=hidden", "loss.fused_lm_head=on")
+    assert "loss.fused_lm_head: on" in log
+    assert [row["train/loss"] for row in run] == pytest.approx(hf_dense_losses, rel=1e-3)
+    assert all(row["timing/teacher"] > 0.0 and "teacher/top1_agreement" in row for row in run)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_policy_gradient_form_at_temperature_07_with_task_rewards(models):
     """The importance ratio compares like with like: on the first step (weights the rollout used)
     the student's logprobs equal the sampler's at any sampling temperature, so |log r| ~ 0 and the

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.data import PromptDataset, PromptSampler, encode_record
-from opkd_mcore.losses import TopKTeacher
+from opkd_mcore.losses import HiddenTeacher, TopKTeacher
 from opkd_mcore.rollout import SamplingConfig
 from opkd_mcore.train import stages
 from opkd_mcore.train.checkpoint import TrainerState
@@ -112,7 +112,9 @@ def rollout_metrics(scored: stages.ScoredBatch) -> dict[str, float]:
     stopped = [s.finish_reason == "stop" for s in scored.samples]
     agree = total = 0
     for sample, rows in zip(scored.samples, scored.teacher):
-        if rows is None:  # scored inside the student's step: the loss measures agreement there
+        # scored inside the student's step, or hidden states whose logits exist only in the fused
+        # LM-head loss: the loss measures agreement there
+        if rows is None or isinstance(rows, HiddenTeacher):
             continue
         if not isinstance(rows, TopKTeacher):
             top1 = rows.logits.argmax(-1)

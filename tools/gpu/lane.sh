@@ -9,6 +9,7 @@
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
+#   bash tools/gpu/lane.sh train1_hidden  # the same, the vLLM teacher sending hidden states (exact dense KD)
 #   bash tools/gpu/lane.sh train2         # the same with student TP=2 over 2 GPUs
 #   bash tools/gpu/lane.sh demo           # opkd demo --device cuda
 #   bash tools/gpu/lane.sh e2e qwen3-8b tp1-disagg   # weight sync Megatron -> vLLM vs raw (2 GPUs)
@@ -77,6 +78,12 @@ case "${1:-}" in
         run.output_dir=/tmp/runs/t1m$t teacher.teachers.0.backend=megatron loss.support=null "${@:2}" \
         > "$OUT/train1_megatron$t.log" 2>&1
     cp /tmp/runs/t1m$t/metrics.jsonl "$OUT/train1_megatron${t}_metrics.jsonl" ;;
+  train1_hidden)  # the in-process vLLM teacher sending final-norm hidden states: exact dense KD
+    t=${TAG:-}
+    gpu_memory_log "$OUT/train1_hidden$t.log" python3 -m opkd_mcore.cli train --config $CFG \
+        run.output_dir=/tmp/runs/t1h$t teacher.teachers.0.output=hidden loss.support=null "${@:2}" \
+        > "$OUT/train1_hidden$t.log" 2>&1
+    cp /tmp/runs/t1h$t/metrics.jsonl "$OUT/train1_hidden${t}_metrics.jsonl" ;;
   train2)
     gpu_memory_log "$OUT/train2_vllm.log" python3 -m torch.distributed.run --nproc_per_node 2 \
         -m opkd_mcore.cli train --config $CFG parallel.tp=2 run.output_dir=/tmp/runs/t2v "${@:2}" \
