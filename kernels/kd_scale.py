@@ -38,4 +38,3 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if x.numel():
         _KERNEL.get()[(triton.cdiv(x.numel(), BLOCK),)](x, g, x.numel(), BLOCK=BLOCK, num_warps=8)
     return x
-

@@ -41,7 +41,7 @@ CASES = {  # name -> (family, ParallelConfig kwargs, aux coefficient, distribute
 MICRO_BATCH_OF = [0, 0, 1]
 
 
-def _train_case(name, hf_dirs, ckpt_root):
+def _train_case(name, hf_dirs, ckpt_root, params_dtype=None):
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.train.engine import MegatronEngine
@@ -51,7 +51,7 @@ def _train_case(name, hf_dirs, ckpt_root):
     init_parallel(ParallelConfig(seed=7, **layout))
     try:
         hf_dir = hf_dirs[family]
-        chunks = build_model(load_hf_config(hf_dir), moe_aux_loss_coeff=coef)
+        chunks = build_model(load_hf_config(hf_dir), moe_aux_loss_coeff=coef, params_dtype=params_dtype)
         load_hf_weights(chunks, hf_dir)
         engine = MegatronEngine(chunks, OptimConfig(lr=LR, clip_grad=CLIP, weight_decay=0.1,
                                                     use_distributed_optimizer=distopt))
@@ -163,12 +163,7 @@ def references(hf_dirs):
     return {(f, c): hf_reference(hf_dirs[f], c) for f, _, c, _ in CASES.values()}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_moe_train_steps_match_hf_adamw(trained, references, name):
-    family, _, coef, _ = CASES[name]
-    ref = references[(family, coef)]
-    history = trained[0][name]["history"]
-    assert trained[1][name]["history"] == history  # every rank reports the same metrics
+def _check_steps(history, ref):
     losses = [h["train/loss"] for h in history]
     assert losses[-1] < losses[0], f"loss did not go down: {losses}"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["loss"]), rtol=2e-4, atol=1e-5)
@@ -177,11 +172,7 @@ def test_moe_train_steps_match_hf_adamw(trained, references, name):
     assert all(h["train/update_applied"] == 1.0 for h in history)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_router_metrics_match_hf_routing(trained, references, name):
-    family, _, coef, _ = CASES[name]
-    ref = references[(family, coef)]
-    history = trained[0][name]["history"]
+def _check_router_metrics(history, ref, coef):
     for key, ref_key in (("moe/expert_load_max", "load_max"), ("moe/expert_load_min", "load_min")):
         torch.testing.assert_close(torch.tensor([h[key] for h in history]), torch.tensor(ref[ref_key]),
                                    rtol=1e-6, atol=1e-9)
@@ -190,6 +181,20 @@ def test_router_metrics_match_hf_routing(trained, references, name):
                                    torch.tensor(ref["aux_loss"]), rtol=1e-4, atol=1e-6)
     else:
         assert "moe/aux_loss" not in history[0]  # off by default: Megatron does not compute it
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_train_steps_match_hf_adamw(trained, references, name):
+    family, _, coef, _ = CASES[name]
+    history = trained[0][name]["history"]
+    assert trained[1][name]["history"] == history  # every rank reports the same metrics
+    _check_steps(history, references[(family, coef)])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_router_metrics_match_hf_routing(trained, references, name):
+    family, _, coef, _ = CASES[name]
+    _check_router_metrics(trained[0][name]["history"], references[(family, coef)], coef)
 
 
 def test_megatron_moe_teacher_at_ep2_matches_hf(trained, hf_dirs):
@@ -209,3 +214,33 @@ def test_moe_checkpoint_resume_reproduces_steps(trained, name):
     result = trained[0][name]
     assert result["num_steps"] == STEPS
     assert result["resumed"] == result["history"][STEPS // 2:]
+
+
+# ----------------------------------------------------------------------------- GPU lane
+NCCL_CASE = "qwen2_moe-ep2-aux-distopt"
+
+
+def _nccl_train_worker(rank, world, hf_dirs, ckpt_root):
+    import torch.distributed as dist
+
+    # float32 without TF32: the CPU cases' tolerances against the float64 reference then hold
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    result = _train_case(NCCL_CASE, hf_dirs, ckpt_root, params_dtype=torch.float32)
+    assert dist.get_backend() == "nccl", dist.get_backend()
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_moe_ep2_steps_over_nccl_match_hf(hf_dirs, references, tmp_path):
+    """gloo (the CPU cases) reduces host tensors, NCCL does not: the router metrics' counters lived on
+    the host and crashed the first EP=2 step on two H100s. The same steps over NCCL, same reference."""
+    family, _, coef, _ = CASES[NCCL_CASE]
+    per_rank = run_distributed(_nccl_train_worker, 2, hf_dirs, str(tmp_path), backend=None,
+                               env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                    "NVSHMEM_DISABLE_NVLS": "1"})
+    history = per_rank[0]["history"]
+    assert per_rank[1]["history"] == history
+    _check_steps(history, references[(family, coef)])
+    _check_router_metrics(history, references[(family, coef)], coef)

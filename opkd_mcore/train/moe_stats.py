@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from opkd_mcore.platform.device import current_device
+
 AUX_LOSS_NAME = "load_balancing_loss"  # Megatron's tracker key for the "aux_loss" type
 
 
@@ -40,7 +42,10 @@ class MoeStepStats:
         self.num_layers = config.num_layers
         self.num_experts = config.num_moe_experts
         self.routers = _routers(model_chunks)
-        self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+        # on the compute device: NCCL/HCCL reduce no host tensors, and the per-layer hook must not
+        # copy to the host (a sync per layer and micro-batch)
+        self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64,
+                                  device=current_device())
         self._handles = []
         for router in self.routers:
             # per-token scaling of the aux loss assumes Megatron's division by the token count at
@@ -56,7 +61,7 @@ class MoeStepStats:
         if not router.training or router.layer_number is None:
             return
         routing_map = outputs[1]
-        self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to("cpu", torch.float64)
+        self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts.device, torch.float64)
 
     def begin_step(self, num_micro_batches: int) -> None:
         """Zero the counters and scale the aux-loss coefficient for this step's micro-batches."""
@@ -76,7 +81,7 @@ class MoeStepStats:
 
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         pp_group = ps.get_pipeline_model_parallel_group()
-        counts = self.counts.to(torch.float64)
+        counts = self.counts.clone()
         # stages hold distinct layers (sum over PP); replicas see distinct tokens (sum over DP);
         # TP ranks see the same tokens unless sequence parallelism splits them
         groups = [pp_group, dp_group]
@@ -85,6 +90,7 @@ class MoeStepStats:
         for group in groups:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(counts, group=group)
+        counts = counts.cpu()
         per_layer = counts.sum(dim=1, keepdim=True)
         routed = per_layer.squeeze(1) > 0
         metrics = {}
@@ -101,9 +107,9 @@ class MoeStepStats:
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         entry = get_moe_layer_wise_logging_tracker().get(AUX_LOSS_NAME)
-        values = torch.zeros(self.num_layers, dtype=torch.float64)
+        values = torch.zeros(self.num_layers, dtype=torch.float64, device=self.counts.device)
         if entry is not None:
-            values = entry["values"].detach().to("cpu", torch.float64)
+            values = entry["values"].detach().to(self.counts.device, torch.float64)
         if dist.get_world_size(pp_group) > 1:
             dist.all_reduce(values, group=pp_group)
         reduce_group = entry.get("reduce_group") if entry is not None else None
@@ -112,7 +118,7 @@ class MoeStepStats:
         if dist.get_world_size(dp_group) > 1:
             dist.all_reduce(values, group=dp_group)
             values /= dist.get_world_size(dp_group)
-        return float(values.sum() / (self.num_layers * self.num_micro_batches))
+        return float(values.sum().cpu() / (self.num_layers * self.num_micro_batches))
 
     def close(self) -> None:
         for handle in self._handles:
