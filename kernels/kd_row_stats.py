@@ -14,12 +14,11 @@ Output `stats [N, 6]` float32: (m_s, l_s, m_u, l_u, a, b); the teacher columns a
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton.language as tl
 
 from ._jit import lazy_jit
+from ._log2 import LOG2E
 
 NUM_STATS = 6
 
@@ -88,7 +87,7 @@ def row_stats(student: torch.Tensor, teacher: torch.Tensor | None, inv_temperatu
     t = student if teacher is None else teacher
     _KERNEL.get()[(n_rows,)](
         student, t, out, student.stride(0), t.stride(0), vocab, float(inv_temperature),
-        float(inv_temperature) * math.log2(math.e),
+        float(inv_temperature) * LOG2E.value,
         HAS_TEACHER=teacher is not None, WANT_A="a" in want, WANT_B="b" in want,
         BLOCK_V=block_v, num_warps=num_warps,
     )

@@ -3,7 +3,8 @@
 Once the global log-partitions are known (lse [N, 2] = (lse_s, lse_u)), each program recomputes
 the tiles s = h W^T / T and u = h_t W_t^T / T of its rows and vocabulary split (as in
 linear_kd_row_stats.py) and accumulates, with log q = s - lse_s, log p = u - lse_u and
-log m = logaddexp(log beta + log p, log(1 - beta) + log q) (the formulas of kd_jsd_sums.py):
+log m = logaddexp(log beta + log p, log(1 - beta) + log q) (kd_jsd_sums.py forms m in linear space
+with one log2 instead; these tiles still use logaddexp):
     sums[:, 0] = sum beta p (log p - log m) + (1 - beta) q (log q - log m)     # the loss part
     sums[:, 1] = sum q (log q - log m)                                        # KL(q||m), for the gradient
 Terms with p == 0 or q == 0 are 0. Output `[N, S, 2]` float32; the splits and the TP group sum it.

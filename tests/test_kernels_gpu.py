@@ -136,4 +136,3 @@ def test_scale_kernel_rounds_like_a_float32_product(dtype):
     x = torch.randn(1237, 4099, device="cuda").to(dtype)
     g = torch.tensor(0.37, device="cuda")
     assert torch.equal(scale_(x.clone(), g), (x.float() * g).to(dtype))
-

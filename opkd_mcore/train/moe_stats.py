@@ -61,7 +61,7 @@ class MoeStepStats:
         if not router.training or router.layer_number is None:
             return
         routing_map = outputs[1]
-        self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts.device, torch.float64)
+        self.counts[router.layer_number - 1] += routing_map.sum(dim=0)
 
     def begin_step(self, num_micro_batches: int) -> None:
         """Zero the counters and scale the aux-loss coefficient for this step's micro-batches."""
@@ -81,7 +81,7 @@ class MoeStepStats:
 
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         pp_group = ps.get_pipeline_model_parallel_group()
-        counts = self.counts.clone()
+        counts = self.counts   # reduced in place: begin_step zeroes it before it counts again
         # stages hold distinct layers (sum over PP); replicas see distinct tokens (sum over DP);
         # TP ranks see the same tokens unless sequence parallelism splits them
         groups = [pp_group, dp_group]
@@ -118,7 +118,7 @@ class MoeStepStats:
         if dist.get_world_size(dp_group) > 1:
             dist.all_reduce(values, group=dp_group)
             values /= dist.get_world_size(dp_group)
-        return float(values.sum().cpu() / (self.num_layers * self.num_micro_batches))
+        return float(values.sum() / (self.num_layers * self.num_micro_batches))
 
     def close(self) -> None:
         for handle in self._handles:
