@@ -132,12 +132,14 @@ def union_ids(a_NK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(dup, -1)
 
 
-def _gather_support(x_NV: torch.Tensor, local_NK: torch.Tensor, inv_t: float, group) -> torch.Tensor:
-    """x / T at the support ids, float32 `[N, K]`, replicated over the TP group (0 at padding)."""
-    on_shard = local_NK >= 0
-    idx = local_NK.clamp(0, x_NV.shape[1] - 1)
-    vals = torch.where(on_shard, x_NV.gather(1, idx).float() * inv_t, 0.0)
-    return all_reduce(vals, dist.ReduceOp.SUM, group)
+def support_values(x_NV: torch.Tensor, ids_NK: torch.Tensor, offset: int, inv_t: float, with_local: bool = True):
+    """(x / T at the global support ids that are on this shard, float32 `[N, K]`, 0 elsewhere;
+    shard-local ids `[N, K]`, -1 elsewhere, or None). The torch version of a backend's
+    `support_gather` (Triton: one launch); the SUM all-reduce over TP makes the values replicated."""
+    local = local_support_ids(ids_NK, offset, x_NV.shape[1])
+    idx = local.clamp(0, x_NV.shape[1] - 1)
+    vals = torch.where(local >= 0, x_NV.gather(1, idx).float() * inv_t, 0.0)
+    return vals, (local if with_local else None)
 
 
 # ------------------------------------- objective assembly (shared with fused_linear_kd.py)
@@ -162,18 +164,21 @@ def local_support_ids(ids_NK: torch.Tensor, offset: int, v_local: int) -> torch.
 
 
 def sparse_objective_split(s_S, lse_s, log_p_S, valid, spec, need_grad, group, backend=None):
-    """The objective on TP-replicated [N, K] inputs -> replicated (loss, dL/ds_S, dL/dlse).
+    """The objective on TP-replicated [N, K] inputs -> replicated (loss, dL/ds_S, dL/dlse, teacher
+    mass on S, student mass on S).
 
-    A backend with its own `sparse_objective` (Triton: one launch, ~0.1 ms for N=16384, K=256)
-    runs it on every rank. The torch version (C++ / NPU backends) is ~30 launches of float64 ops
+    A backend with its own `sparse_objective` (Triton: one launch, ~0.1 ms for N=16384, K=256,
+    masses included) runs it on every rank. The torch version (C++ / NPU backends) is ~30 launches of float64 ops
     with autograd: there each rank does 1/TP of the rows and one all-gather of (loss, dL/dlse,
     dL/ds_S) makes the result replicated again, so that work and its temporaries shrink with TP."""
     world = tp_size(group)
     args = (spec.divergence, spec.beta, spec.mass, spec.coverage_coef)
     fused_objective = getattr(backend, "sparse_objective", None)
-    if fused_objective is not None or world == 1:
-        objective = fused_objective or sparse_objective_and_grads
-        return objective(s_S, lse_s, log_p_S, valid, *args, need_grad=need_grad)
+    if fused_objective is not None:
+        return fused_objective(s_S, lse_s, log_p_S, valid, *args, need_grad=need_grad)
+    masses = support_masses(s_S, lse_s, log_p_S, valid)
+    if world == 1:
+        return *sparse_objective_and_grads(s_S, lse_s, log_p_S, valid, *args, need_grad=need_grad), *masses
     objective = sparse_objective_and_grads
     n, k = s_S.shape
     rows = -(-n // world)
@@ -189,8 +194,8 @@ def sparse_objective_split(s_S, lse_s, log_p_S, valid, spec, need_grad, group, b
     dist.all_gather(parts, packed, group=group)
     full = torch.cat(parts)[:n]
     if not need_grad:
-        return full[:, 0].contiguous(), None, None
-    return full[:, 0].contiguous(), full[:, 2:].contiguous(), full[:, 1].contiguous()
+        return full[:, 0].contiguous(), None, None, *masses
+    return full[:, 0].contiguous(), full[:, 2:].contiguous(), full[:, 1].contiguous(), *masses
 
 
 def _support_ids(z, t, ids, spec, offset, group):
@@ -249,15 +254,18 @@ def kd_objective(z, t, ids, logprobs, spec: KdSpec, backend, group, need_grad: b
                                       lambda: backend.jsd_sums(z, t, lse, inv_t, spec.beta), group)
         ones = torch.ones_like(loss)
         return loss, ones, ones.clone(), KdGradState(lse, c1, DIV_CODES[kind], factor)
-    v_local = z.shape[1]
-    offset = tp_rank(group) * v_local
+    offset = tp_rank(group) * z.shape[1]
     ids = _support_ids(z, t, ids, spec, offset, group)
-    local = local_support_ids(ids, offset, v_local)
-    s_S = _gather_support(z, local, inv_t, group)
+    gather = getattr(backend, "support_gather", None) or support_values
+    s_local, local = gather(z, ids, offset, inv_t, True)
+    s_S = all_reduce(s_local, dist.ReduceOp.SUM, group)
     valid = ids >= 0
-    log_p_S = _gather_support(t, local, inv_t, group) - lse[:, 1:2] if t is not None else logprobs.float()
-    loss, d_s, d_lse = sparse_objective_split(s_S, lse[:, 0], log_p_S, valid, spec, need_grad, group, backend)
-    teacher_mass, student_mass = support_masses(s_S, lse[:, 0], log_p_S, valid)
+    if t is not None:
+        log_p_S = all_reduce(gather(t, ids, offset, inv_t, False)[0], dist.ReduceOp.SUM, group) - lse[:, 1:2]
+    else:
+        log_p_S = logprobs.float()
+    loss, d_s, d_lse, teacher_mass, student_mass = sparse_objective_split(s_S, lse[:, 0], log_p_S, valid, spec,
+                                                                          need_grad, group, backend)
     return loss, teacher_mass, student_mass, KdGradState(lse, d_lse, local=local, s_S=s_S, d_s=d_s)
 
 

@@ -38,7 +38,6 @@ from .fused_kd import (
     local_support_ids,
     reduce_stats,
     sparse_objective_split,
-    support_masses,
     topk_over_group,
     tp_rank,
     union_ids,
@@ -154,10 +153,9 @@ class FusedLinearKdLoss(torch.autograd.Function):
                 log_p_S = u_S - lse[:, 1:2]
             else:
                 log_p_S = logprobs.float()
-            loss, d_s, d_lse = sparse_objective_split(s_S, lse[:, 0], log_p_S, valid, spec, need_grad,
-                                                      group, engine.sparse_backend)
+            loss, d_s, d_lse, teacher_mass, student_mass = sparse_objective_split(
+                s_S, lse[:, 0], log_p_S, valid, spec, need_grad, group, engine.sparse_backend)
             ctx.save_for_backward(h, w, local, s_S, d_s, d_lse, lse)
-            teacher_mass, student_mass = support_masses(s_S, lse[:, 0], log_p_S, valid)
         ctx.mark_non_differentiable(teacher_mass, student_mass, lse, top1)
         return loss, teacher_mass, student_mass, lse, top1
 

@@ -63,7 +63,7 @@ MASS_CODES = {"renorm": 0, "tail": 1, "raw": 2}
 
 
 def _kd_sparse_objective_kernel(
-        s_ptr, lse_ptr, lp_ptr, valid_ptr, loss_ptr, ds_ptr, dlse_ptr,
+        s_ptr, lse_ptr, lp_ptr, valid_ptr, loss_ptr, ds_ptr, dlse_ptr, mp_ptr, mq_ptr,
         n_rows, K, s_rs, s_cs, lse_st, lp_rs, lp_cs, v_rs, v_cs,
         beta_arg: tl.float64, log_beta_arg: tl.float64, log1m_beta_arg: tl.float64,
         coverage_arg: tl.float64,
@@ -192,6 +192,9 @@ def _kd_sparse_objective_kernel(
         loss = loss - coverage * log_mq
     loss = tl.where(nonempty, loss, 0.0)
     tl.store(loss_ptr + rows, loss.to(loss_ptr.dtype.element_ty), mask=row_ok)
+    # the support masses (metrics): here they cost two stores, in torch ~10 launches over [N, K]
+    tl.store(mp_ptr + rows, tl.exp(log_mp).to(mp_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(mq_ptr + rows, tl.where(nonempty, tl.exp(log_mq), 0.0).to(mq_ptr.dtype.element_ty), mask=row_ok)
 
     if NEED_GRAD:
         g_sum = tl.sum(g, axis=1)
@@ -224,9 +227,11 @@ ENTRIES_PER_PROGRAM = 256
 def sparse_objective(s_S: torch.Tensor, lse: torch.Tensor, log_p_S: torch.Tensor, valid: torch.Tensor,
                      kind: str, beta: float, mass: str, coverage_coef: float, need_grad: bool = True,
                      num_warps: int | None = None, entries_per_program: int | None = None):
-    """(loss [N], dL/ds_S [N, K] or None, dL/dlse [N] or None) in the dtype of `s_S`.
+    """(loss [N], dL/ds_S [N, K] or None, dL/dlse [N] or None, teacher mass on S [N], student mass
+    on S [N]) in the dtype of `s_S`.
 
-    Same contract as `sparse_objective.sparse_objective_and_grads`; one launch, no host sync.
+    The first three as `sparse_objective.sparse_objective_and_grads`, the masses as
+    `fused_kd.support_masses` (0 on a row without valid entries); one launch, no host sync.
     `s_S`, `log_p_S` float `[N, K]`, `lse` float `[N]` (any strides), `valid` bool `[N, K]`.
     """
     if mass not in MASS_CODES:
@@ -240,8 +245,9 @@ def sparse_objective(s_S: torch.Tensor, lse: torch.Tensor, log_p_S: torch.Tensor
     loss = s_S.new_empty(n_rows)
     d_s = s_S.new_empty(n_rows, k) if need_grad else None
     d_lse = s_S.new_empty(n_rows) if need_grad else None
+    teacher_mass, student_mass = s_S.new_empty(n_rows), s_S.new_empty(n_rows)
     if n_rows == 0:
-        return loss, d_s, d_lse
+        return loss, d_s, d_lse, teacher_mass, student_mass
     block_k = triton.next_power_of_2(max(k, 1))
     per_program = entries_per_program or (64 if interpreting() else ENTRIES_PER_PROGRAM)
     block_n = max(1, min(per_program // block_k, triton.next_power_of_2(n_rows)))
@@ -251,10 +257,11 @@ def sparse_objective(s_S: torch.Tensor, lse: torch.Tensor, log_p_S: torch.Tensor
     grid = (triton.cdiv(n_rows, block_n),)
     _KERNEL.get()[grid](
         s_S, lse, log_p_S, valid_u8, loss, d_s if need_grad else loss, d_lse if need_grad else loss,
-        n_rows, k, s_S.stride(0), s_S.stride(1), lse.stride(0), log_p_S.stride(0), log_p_S.stride(1),
+        teacher_mass, student_mass, n_rows, k, s_S.stride(0), s_S.stride(1), lse.stride(0),
+        log_p_S.stride(0), log_p_S.stride(1),
         valid_u8.stride(0), valid_u8.stride(1),
         float(beta), log_beta, log1m_beta, float(coverage_coef),
         KIND=kind_code, MASS=MASS_CODES[mass], COVERAGE=bool(coverage_coef), NEED_GRAD=need_grad,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
-    return loss, d_s, d_lse
+    return loss, d_s, d_lse, teacher_mass, student_mass

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kd_grad, kd_jsd_sums, kd_row_stats, kd_scale, kd_sparse_objective, kd_sparse_scatter
+from . import (kd_grad, kd_jsd_sums, kd_row_stats, kd_scale, kd_sparse_objective, kd_sparse_scatter,
+               kd_support_gather)
 from ._jit import interpreting
 
 
@@ -63,8 +64,13 @@ class TritonKdBackend:
     def sparse_scatter(self, out, local_ids, s_support, d_support, lse, coef):
         return kd_sparse_scatter.sparse_scatter(out, local_ids, s_support, d_support, lse, coef)
 
+    def support_gather(self, x, ids, offset, inv_t, with_local=True):
+        """`fused_kd.support_values` in one launch: (x / T at the support ids on this shard, local ids)."""
+        return kd_support_gather.support_gather(x, ids, offset, inv_t, with_local)
+
     def sparse_objective(self, s_S, lse, log_p_S, valid, kind, beta, mass, coverage_coef, need_grad):
-        """`sparse_objective.sparse_objective_and_grads` in one launch (float64 in registers)."""
+        """`sparse_objective.sparse_objective_and_grads` and the support masses in one launch
+        (float64 in registers): (loss, dL/ds_S, dL/dlse, teacher mass on S, student mass on S)."""
         return kd_sparse_objective.sparse_objective(s_S, lse, log_p_S, valid, kind, beta, mass, coverage_coef,
                                                     need_grad)
 

@@ -204,6 +204,35 @@ def test_teacher_actors_per_endpoint():
     assert cpus_needed(cfg, 2) == 2 + 1 + 4
 
 
+def test_actors_sharing_a_device_start_one_at_a_time():
+    """vLLM measures free device memory while it profiles at start: on a shared device the engines
+    start one per wave and the trainer ranks (one collective setup) together after them."""
+    from opkd_mcore.controller.groups import start_waves
+    from opkd_mcore.controller.placement import Placement, Slot
+
+    gpu0, gpu1, own = ("pg", 0), ("pg", 1), None
+    device = {"rollout 0": gpu1, "teacher a": gpu1, "teacher b": gpu1, "rollout 1": own, "trainer 0": own,
+              "trainer 1": own}
+    calls = lambda *names: [(n, n, None) for n in names]  # noqa: E731  (the slot stands for itself)
+    names = lambda waves: [[c[0] for c in w] for w in waves]  # noqa: E731
+    # disaggregated, teachers with the rollout engine: that device staged, the trainers at once
+    waves = start_waves(calls("rollout 0", "rollout 1", "teacher a", "teacher b"), calls("trainer 0", "trainer 1"),
+                        device.get)
+    assert names(waves) == [["rollout 0", "rollout 1", "trainer 0", "trainer 1"], ["teacher a"], ["teacher b"]]
+    # colocated: every rank's device shared, so the trainer ranks start after every engine, together
+    device.update({"rollout 1": gpu0, "trainer 0": gpu0, "trainer 1": gpu1})
+    waves = start_waves(calls("rollout 0", "rollout 1", "teacher a"), calls("trainer 0", "trainer 1"), device.get)
+    assert names(waves) == [["rollout 0", "rollout 1"], ["teacher a"], ["trainer 0", "trainer 1"]]
+    # on CPU nothing is shared (no device memory to measure): one wave, as before
+    cpu = Placement.__new__(Placement)
+    cpu.device = "cpu"
+    assert cpu.shared_device(Slot(pg="pg", bundle=0, cpus=1, accelerators=0.5)) is None
+    gpu = Placement.__new__(Placement)
+    gpu.device = "cuda"
+    shared, whole = Slot("pg", 1, 1, 0.5), Slot("pg", 1, 1, 1.0)
+    assert gpu.shared_device(shared) == (id("pg"), 1) and gpu.shared_device(whole) is None
+
+
 # ---------------------------------------------------------------- truncated importance weights
 def _is_weights(rank, world, model_dir):
     from opkd_mcore.config import ParallelSection

@@ -126,6 +126,7 @@ def _sparse_objective_inputs(k: int, seed: int):
 
 
 def _sparse_objective_vs_torch(kind, beta, mass):
+    from opkd_kernels.fused_kd import support_masses
     from opkd_kernels.kd_sparse_objective import sparse_objective
     from opkd_kernels.sparse_objective import sparse_objective_and_grads
 
@@ -133,10 +134,12 @@ def _sparse_objective_vs_torch(kind, beta, mass):
         s, lse, log_p, valid = _sparse_objective_inputs(k, seed=k)
         for coverage in (0.0, 0.4):
             args = (s, lse, log_p, valid, kind, beta, mass, coverage)
-            expected = sparse_objective_and_grads(*args)
+            expected = (*sparse_objective_and_grads(*args), *support_masses(s.double(), lse.double(),
+                                                                           log_p.double(), valid))
             got = sparse_objective(*args)
-            for name, a, b in zip(("loss", "d_s", "d_lse"), got, expected):
-                assert a.dtype == torch.float32 and a.shape == b.shape
+            for name, a, b in zip(("loss", "d_s", "d_lse", "teacher mass", "student mass"), got, expected):
+                assert a.dtype == torch.float32 and a.shape == b.shape, name
+                b = b.to(a.dtype)
                 # both are float64 inside; reverse KL with the p = 0 entry of row 5 is +inf (NaN
                 # gradients) in both, hence equal_nan
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True,
@@ -145,9 +148,10 @@ def _sparse_objective_vs_torch(kind, beta, mass):
             assert not got[1][1, k // 2:].any() and not got[1][8, 0].any()
             loss_only = sparse_objective(*args, need_grad=False)
             assert loss_only[1] is None and loss_only[2] is None
-            torch.testing.assert_close(loss_only[0], got[0], rtol=0, atol=0, equal_nan=True)
+            for a, b in zip(loss_only[::3] + loss_only[4:], got[::3] + got[4:]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     empty = sparse_objective(s[:0], lse[:0], log_p[:0], valid[:0], kind, beta, mass, 0.4)
-    assert [t.shape for t in empty] == [(0,), (0, 6), (0,)]
+    assert [t.shape for t in empty] == [(0,), (0, 6), (0,), (0,), (0,)]
 
 
 def _row_stats_primitive():
@@ -177,6 +181,31 @@ def _row_stats_primitive():
     assert not student_only[:, 2:].any()
 
 
+def _support_gather_primitive():
+    """`kd_support_gather.support_gather` bitwise against the torch `fused_kd.support_values`: ids
+    on this shard, on others and padding, int32 and int64 ids, bf16 and float32 logits, a shard
+    with the full vocabulary's row stride and a column-major one."""
+    from opkd_kernels.fused_kd import support_values
+    from opkd_kernels.kd_support_gather import support_gather
+
+    z, _ = cases.make_logits(N, 2 * 53, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, 2 * 53, (N, 9), generator=gen)
+    ids[1, 3:] = -1
+    ids[4] = -1   # a row of padding only
+    offset, v_local = 53, 53
+    for dtype in (torch.float32, torch.bfloat16):
+        shard = z.to(dtype)[:, offset:]      # a view with the full vocabulary's row stride
+        for id_dtype in (torch.int64, torch.int32):
+            expected, local_expected = support_values(shard, ids, offset, 1 / 1.3)
+            values, local = support_gather(shard, ids.to(id_dtype), offset, 1 / 1.3)
+            assert torch.equal(values, expected) and torch.equal(local, local_expected), (dtype, id_dtype)
+        values, no_local = support_gather(shard.t().contiguous().t(), ids, offset, 1 / 1.3, with_local=False)
+        assert no_local is None and torch.equal(values, expected)
+    assert ((local_expected >= 0) == ((ids >= offset) & (ids < offset + v_local))).all()
+    assert not values[4].any() and local_expected[4].eq(-1).all()
+
+
 def _case_id(kd) -> str:
     return "-".join(f"{k}={v}" for k, v in kd.items())
 
@@ -201,6 +230,7 @@ CASES.update({
     "grad-in-place-into-logits": (_in_place, ()),
     "in-place-other-consumer-raises": (_in_place_other_consumer_fails_loudly, ()),
     "row-stats-primitive-vs-float64": (_row_stats_primitive, ()),
+    "support-gather-primitive-bitwise": (_support_gather_primitive, ()),
 })
 
 

@@ -59,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per cell")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="cpu = C++ twin")
     p.add_argument("--out", default=None, help="write the JSON here")
+    p.add_argument("--profile", default=None,
+                   help="logits mode: torch.profiler's kernel table of the fused method, written to "
+                        "PREFIX_<objective>_tp<TP>.txt")
     p.add_argument("--mode", default="logits", choices=["logits", "lm_head"],
                    help="logits: the loss on given logits; lm_head: output layer + loss (GPU only)")
     p.add_argument("--hidden", type=int, default=4096, help="lm_head: hidden size H of student and teacher")
@@ -145,6 +148,21 @@ def timed(fn, device, repeats, warmup, group):
     if dist.get_world_size(group) > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
     return stats[0].item(), int(stats[1].item())
+
+
+def profile_table(fn, path, rank, device, iters=3):
+    """torch.profiler's per-kernel table of `iters` calls (rank 0 writes it): where a call's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        _sync(device)
+    if rank == 0:
+        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        with open(path, "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=30))
 
 
 def copy_bandwidth(z, device, repeats, group):
@@ -263,6 +281,8 @@ def bench_cell(n, vocab, name, args, group, rank, tp, device):
             if run is None:
                 continue
             ms, peak = timed(run, device, args.repeats, args.warmup, group)
+            if args.profile and method == "fused":
+                profile_table(run, f"{args.profile}_{name}_tp{tp}.txt", rank, device)
             gbps = moved / ms / 1e6
             row.update(ms=ms, gbps=gbps, pct_copy=100 * gbps / copy_gbps, peak_extra_bytes=peak,
                        peak_extra_pct_of_logits=100 * peak / logits_bytes)

@@ -110,6 +110,35 @@ def await_named(named: dict, timeout_s: float, what: str) -> dict:
     return gather.result()
 
 
+StartCall = tuple  # (name, Slot, call: () -> ObjectRef)
+
+
+def start_waves(engines: list[StartCall], trainers: list[StartCall], shared_device) -> list[list[StartCall]]:
+    """The start-up calls in waves, each awaited before the next starts.
+
+    vLLM sizes its KV cache from the device's free memory measured around a profiling run, and
+    assumes nobody else allocates or frees on that device meanwhile (it asserts on memory freed; memory
+    allocated by a neighbour is taken for its own and shrinks the cache, or leaves none). So actors
+    that share a device (`shared_device(slot)` is not None) start one at a time: the k-th engine of each
+    device in wave k, then the trainer ranks, all in one wave, as their setup is one collective. Actors
+    on devices of their own (and every actor on CPU) start together in the first wave."""
+    waves: list[list[StartCall]] = [[]]
+    per_device: dict = {}
+    for call in engines:
+        key = shared_device(call[1])
+        k = 0 if key is None else per_device.get(key, 0)
+        if key is not None:
+            per_device[key] = k + 1
+        while len(waves) <= k:
+            waves.append([])
+        waves[k].append(call)
+    if any(shared_device(call[1]) is not None for call in trainers):
+        waves.append(list(trainers))
+    else:
+        waves[0] += trainers
+    return [w for w in waves if w]
+
+
 def is_actor_death(err: BaseException) -> bool:
     import ray
 
@@ -133,31 +162,61 @@ class WorkerGroups:
         trainer_cls = ray.remote(max_restarts=0)(TrainerWorker)
         self.trainers = [trainer_cls.options(**slot.actor_options(device)).remote(cfg, rank, world_size)
                          for rank, slot in enumerate(self.placement.trainer)]
-        # a few threads: a weight update arrives while a generate call runs (the worker's gate orders them)
-        rollout_cls = ray.remote(max_restarts=ctl.max_restarts, max_concurrency=4)(RolloutEngineWorker)
-        self.rollouts = [rollout_cls.options(**slot.actor_options(device)).remote(cfg, e)
-                         for e, slot in enumerate(self.placement.rollout)]
-        teacher_cls = ray.remote(max_restarts=ctl.max_restarts)(TeacherWorker)
-        vocab = student_vocab_size(cfg)
+        # engine actors build their engine in the constructor: `_start` creates them, in waves
+        self.rollouts: list = [None] * len(self.placement.rollout)
         self.teachers: dict[str, list] = {}
-        for (endpoint, url), slot in zip(teacher_actor_endpoints(cfg), self.placement.teachers):
-            actor = teacher_cls.options(**slot.actor_options(device)).remote(cfg, endpoint.name, url, vocab)
-            self.teachers.setdefault(endpoint.name, []).append(actor)
+        self._teacher_places: list[tuple[str, int, str | None]] = []  # (name, replica, url) per slot
+        for endpoint, url in teacher_actor_endpoints(cfg):
+            self.teachers.setdefault(endpoint.name, []).append(None)
+            self._teacher_places.append((endpoint.name, len(self.teachers[endpoint.name]) - 1, url))
+        self._vocab = student_vocab_size(cfg)
+        # a few threads: a weight update arrives while a generate call runs (the worker's gate orders them)
+        self._rollout_cls = ray.remote(max_restarts=ctl.max_restarts, max_concurrency=4)(RolloutEngineWorker)
+        self._teacher_cls = ray.remote(max_restarts=ctl.max_restarts)(TeacherWorker)
         self.restarts = {"rollout": 0, "teacher": 0}
         self.sync_groups: list[dict] = []
         self._start()
 
     # ---- start-up ------------------------------------------------------------------------------
+    def _start_calls(self, host: str, port: int) -> tuple[list[StartCall], list[StartCall]]:
+        """(engine starts, trainer setups): each a (name, slot, call) whose call creates the actor
+        if need be and returns the ref of its start."""
+        device = self.cfg.run.device
+
+        def rollout(e: int, slot):
+            def call():
+                self.rollouts[e] = self._rollout_cls.options(**slot.actor_options(device)).remote(self.cfg, e)
+                return self.rollouts[e].ping.remote()
+            return call
+
+        def teacher(name: str, replica: int, url: str | None, slot):
+            def call():
+                actor = self._teacher_cls.options(**slot.actor_options(device)).remote(self.cfg, name, url,
+                                                                                        self._vocab)
+                self.teachers[name][replica] = actor
+                return actor.ping.remote()
+            return call
+
+        engines = [(f"rollout engine {e} start", slot, rollout(e, slot))
+                   for e, slot in enumerate(self.placement.rollout)]
+        engines += [(f"teacher {name}[{replica}] start", slot, teacher(name, replica, url, slot))
+                    for (name, replica, url), slot in zip(self._teacher_places, self.placement.teachers)]
+        trainers = [(f"trainer rank {r} setup", slot, lambda t=t: t.setup.remote(host, port))
+                    for r, (t, slot) in enumerate(zip(self.trainers, self.placement.trainer))]
+        return engines, trainers
+
     def _start(self) -> None:
         import ray
 
         timeout = self.cfg.controller.call_timeout_s
         host, port = ray.get(self.trainers[0].listen.remote(), timeout=timeout)
-        named = {f"trainer rank {r} setup": t.setup.remote(host, port) for r, t in enumerate(self.trainers)}
-        named.update({f"rollout engine {e} start": r.ping.remote() for e, r in enumerate(self.rollouts)})
-        named.update({f"teacher {n}[{i}] start": a.ping.remote()
-                      for n, actors in self.teachers.items() for i, a in enumerate(actors)})
-        await_named(named, timeout, "controller start-up")
+        engines, trainers = self._start_calls(host, port)
+        waves = start_waves(engines, trainers, self.placement.shared_device)
+        for wave in waves:
+            await_named({name: call() for name, _, call in wave}, timeout, "controller start-up")
+        if len(waves) > 1:
+            logger.info("controller: started in %d waves (actors sharing a device start one at a time)",
+                        len(waves))
         self.connect_weight_sync()
         logger.info("controller: %d trainer ranks, %d rollout engines, teachers %s (%s placement)",
                     len(self.trainers), len(self.rollouts),
@@ -267,7 +326,8 @@ class WorkerGroups:
         if getattr(self, "_shut_down", False):
             return
         self._shut_down = True
-        actors = [*self.trainers, *self.rollouts, *(a for v in self.teachers.values() for a in v)]
+        actors = [a for a in (*self.trainers, *self.rollouts, *(a for v in self.teachers.values() for a in v))
+                  if a is not None]  # None: start-up failed before creating it
         refs = []
         for actor in actors:
             try:

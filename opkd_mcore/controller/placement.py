@@ -126,6 +126,13 @@ class Placement:
         self.teachers = [Slot(pg, i % world_size, cpus, shares[i % world_size] if d else 0.0)
                          for i, d in enumerate(teacher_devices)]
 
+    def shared_device(self, slot: Slot) -> tuple | None:
+        """The device `slot` shares with other actors' slots, as (placement group, bundle), or None
+        when it has a device of its own or none (CPU, a remote teacher)."""
+        if ray_accelerator_resource(self.device) is None or not 0 < slot.accelerators < 1:
+            return None
+        return id(slot.pg), slot.bundle
+
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 

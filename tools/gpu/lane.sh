@@ -51,7 +51,9 @@ PY
 case "${1:-}" in
   tests)
     targets=("${@:2}"); [ ${#targets[@]} -eq 0 ] && targets=(tests/)
-    python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rs "${targets[@]}" \
+    # SIGINT at the deadline: pytest then still prints its summary of the failures so far
+    timeout -s INT -k 20 "${TESTS_DEADLINE:-3000}" \
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rfEs --tb=short "${targets[@]}" \
         --ignore-glob 'tests/test_controller_*' --ignore tests/test_rollout_ray.py 2>&1 | tee "$OUT/tests.log" ;;
   tests1)
     bash "$0" tests tests/test_demo.py tests/test_fused_linear_kd_gpu.py tests/test_fused_linear_kd_served.py \
@@ -62,10 +64,11 @@ case "${1:-}" in
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py tests/test_train_resume.py \
         tests/test_weight_sync_moe.py ;;
   e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
+        # (an 8B run takes ~4 minutes: engine start and loading 16 GB; make the checkpoint beforehand)
     [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
         --bucket-mb 1024 --iters 5 --json "$OUT/e2e_$2_$3.json" > "$OUT/e2e_$2_$3.log" 2>&1
-    grep -A3 "^| layout" "$OUT/e2e_$2_$3.log" || tail -20 "$OUT/e2e_$2_$3.log" ;;
+    grep -A3 "^| layout" "$OUT/e2e_$2_$3.log" || grep "^e2e syncs done" "$OUT/e2e_$2_$3.log" || tail -20 "$OUT/e2e_$2_$3.log" ;;
   models)
     python3 tools/make_model.py --shape qwen3-0.6b --out /tmp/models/qwen3-0.6b --seed 1 --device cuda
     python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 --device cuda ;;
@@ -84,11 +87,15 @@ case "${1:-}" in
         run.output_dir=/tmp/runs/t1h$t teacher.teachers.0.output=hidden loss.support=null "${@:2}" \
         > "$OUT/train1_hidden$t.log" 2>&1
     cp /tmp/runs/t1h$t/metrics.jsonl "$OUT/train1_hidden${t}_metrics.jsonl" ;;
-  train2)
-    gpu_memory_log "$OUT/train2_vllm.log" python3 -m torch.distributed.run --nproc_per_node 2 \
-        -m opkd_mcore.cli train --config $CFG parallel.tp=2 run.output_dir=/tmp/runs/t2v "${@:2}" \
-        > "$OUT/train2_vllm.log" 2>&1
-    cp /tmp/runs/t2v/metrics.jsonl "$OUT/train2_vllm_metrics.jsonl" ;;
+  train2)  # the same two runs with student TP=2 over 2 GPUs (rollout engine and vLLM teacher on GPU 0)
+    t=${TAG:-}
+    run2=(python3 -m torch.distributed.run --nproc_per_node 2 -m opkd_mcore.cli train --config $CFG parallel.tp=2)
+    gpu_memory_log "$OUT/train2_vllm$t.log" "${run2[@]}" run.output_dir=/tmp/runs/t2v$t "${@:2}" \
+        > "$OUT/train2_vllm$t.log" 2>&1
+    cp /tmp/runs/t2v$t/metrics.jsonl "$OUT/train2_vllm${t}_metrics.jsonl"
+    gpu_memory_log "$OUT/train2_megatron$t.log" "${run2[@]}" run.output_dir=/tmp/runs/t2m$t \
+        teacher.teachers.0.backend=megatron loss.support=null "${@:2}" > "$OUT/train2_megatron$t.log" 2>&1
+    cp /tmp/runs/t2m$t/metrics.jsonl "$OUT/train2_megatron${t}_metrics.jsonl" ;;
   demo)
     start=$(date +%s)
     python3 -m opkd_mcore.cli demo --device cuda --out /tmp/runs/demo "${@:2}" > "$OUT/demo.log" 2>&1
@@ -134,9 +141,11 @@ case "${1:-}" in
     grep "^|" "$OUT/bench_teacher_hidden.log" || tail -20 "$OUT/bench_teacher_hidden.log" ;;
   steps)  # bench_step on the models of `models`: needs Ray (tools/gpu/wheels.sh ray)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
-        --teacher-backend vllm --teachers-with-rollout --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --params-dtype bfloat16 --steps 6 \
-        --json "$OUT/bench_step.json" "${@:2}" > "$OUT/bench_step.log" 2>&1
+        --teacher-backend vllm --teachers-with-rollout --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --params-dtype bfloat16 --steps 5 \
+        --json "$OUT/bench_step.json" rollout.enforce_eager=false "${@:2}" > "$OUT/bench_step.log" 2>&1
     tail -6 "$OUT/bench_step.log"
+    # the tool keeps actors' output off the driver: a failed start's root cause is in their logs
+    [ -s "$OUT/bench_step.json" ] || (cd /tmp/ray/session_latest/logs && tail -n 60 worker-*.err > "$OUT/ray_workers.err")
     pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|ray::' ;;  # a timed-out run leaves Ray holding GPUs
   *) sed -n '2,22p' "$0"; exit 2 ;;
 esac
