@@ -1,0 +1,49 @@
+"""The benchmark tools' own outputs on CPU: `bench_kernels.py --profile` and `tools/gpu/step_table.py`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests._dist import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_kernels_profile_writes_the_kernel_table(tmp_path):
+    out, prefix = tmp_path / "bench.json", tmp_path / "prof"
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "tools/bench_kernels.py", "--device", "cpu", "--shapes", "32x200",
+                           "--objectives", "topk64", "--methods", "fused", "--repeats", "1", "--warmup", "0",
+                           "--out", str(out), "--profile", str(prefix)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["method"] == "fused" and row["ms"] > 0
+    table = (tmp_path / "prof_topk64_tp1.txt").read_text()
+    assert "FusedKdLoss" in table and "# of Calls" in table
+
+
+def test_step_table_means_after_the_warm_up_step(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools", "gpu"))
+    try:
+        import step_table
+    finally:
+        sys.path.pop(0)
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"timing/step": 9.0, "timing/rollout": 5.0, "train/loss": 0.9, "perf/tokens_per_s": 10.0},
+            {"timing/step": 3.0, "timing/rollout": 1.0, "timing/train": 1.5, "train/loss": 0.5,
+             "perf/tokens_per_s": 100.0},
+            {"timing/step": 2.0, "timing/rollout": 2.0, "timing/train": 0.5, "train/loss": 0.4,
+             "rollout/response_tokens": 400.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = step_table.summarize(str(path), skip=1)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # run, steps, rollout, teacher (absent), train, weight sync (absent), step, tokens/s, losses
+    assert cells == ["metrics.jsonl", "2", "1.50", "-", "1.00", "-", "2.50", "150", "0.5000 0.4000"]
+    assert "no steps" in step_table.summarize(str(path), skip=3)
+    with pytest.raises(FileNotFoundError):
+        step_table.summarize(str(tmp_path / "missing.jsonl"), skip=0)
