@@ -132,7 +132,8 @@ def union_ids(a_NK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(dup, -1)
 
 
-def support_values(x_NV: torch.Tensor, ids_NK: torch.Tensor, offset: int, inv_t: float, with_local: bool = True):
+def support_values(x_NV: torch.Tensor, ids_NK: torch.Tensor, offset: int, inv_t: float,
+                   with_local: bool = True):
     """(x / T at the global support ids that are on this shard, float32 `[N, K]`, 0 elsewhere;
     shard-local ids `[N, K]`, -1 elsewhere, or None). The torch version of a backend's
     `support_gather` (Triton: one launch); the SUM all-reduce over TP makes the values replicated."""
@@ -168,9 +169,10 @@ def sparse_objective_split(s_S, lse_s, log_p_S, valid, spec, need_grad, group, b
     mass on S, student mass on S).
 
     A backend with its own `sparse_objective` (Triton: one launch, ~0.1 ms for N=16384, K=256,
-    masses included) runs it on every rank. The torch version (C++ / NPU backends) is ~30 launches of float64 ops
-    with autograd: there each rank does 1/TP of the rows and one all-gather of (loss, dL/dlse,
-    dL/ds_S) makes the result replicated again, so that work and its temporaries shrink with TP."""
+    masses included) runs it on every rank. The torch version (C++ / NPU backends) is ~30 launches
+    of float64 ops with autograd: there each rank does 1/TP of the rows and one all-gather of (loss,
+    dL/dlse, dL/ds_S) makes the result replicated again, so that work and its temporaries shrink
+    with TP; the masses are computed on every rank, from the replicated inputs."""
     world = tp_size(group)
     args = (spec.divergence, spec.beta, spec.mass, spec.coverage_coef)
     fused_objective = getattr(backend, "sparse_objective", None)
@@ -264,8 +266,8 @@ def kd_objective(z, t, ids, logprobs, spec: KdSpec, backend, group, need_grad: b
         log_p_S = all_reduce(gather(t, ids, offset, inv_t, False)[0], dist.ReduceOp.SUM, group) - lse[:, 1:2]
     else:
         log_p_S = logprobs.float()
-    loss, d_s, d_lse, teacher_mass, student_mass = sparse_objective_split(s_S, lse[:, 0], log_p_S, valid, spec,
-                                                                          need_grad, group, backend)
+    loss, d_s, d_lse, teacher_mass, student_mass = sparse_objective_split(
+        s_S, lse[:, 0], log_p_S, valid, spec, need_grad, group, backend)
     return loss, teacher_mass, student_mass, KdGradState(lse, d_lse, local=local, s_S=s_S, d_s=d_s)
 
 

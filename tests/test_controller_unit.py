@@ -216,12 +216,13 @@ def test_actors_sharing_a_device_start_one_at_a_time():
     calls = lambda *names: [(n, n, None) for n in names]  # noqa: E731  (the slot stands for itself)
     names = lambda waves: [[c[0] for c in w] for w in waves]  # noqa: E731
     # disaggregated, teachers with the rollout engine: that device staged, the trainers at once
-    waves = start_waves(calls("rollout 0", "rollout 1", "teacher a", "teacher b"), calls("trainer 0", "trainer 1"),
-                        device.get)
-    assert names(waves) == [["rollout 0", "rollout 1", "trainer 0", "trainer 1"], ["teacher a"], ["teacher b"]]
+    trainers = calls("trainer 0", "trainer 1")
+    waves = start_waves(calls("rollout 0", "rollout 1", "teacher a", "teacher b"), trainers, device.get)
+    assert names(waves) == [["rollout 0", "rollout 1", "trainer 0", "trainer 1"],
+                            ["teacher a"], ["teacher b"]]
     # colocated: every rank's device shared, so the trainer ranks start after every engine, together
     device.update({"rollout 1": gpu0, "trainer 0": gpu0, "trainer 1": gpu1})
-    waves = start_waves(calls("rollout 0", "rollout 1", "teacher a"), calls("trainer 0", "trainer 1"), device.get)
+    waves = start_waves(calls("rollout 0", "rollout 1", "teacher a"), trainers, device.get)
     assert names(waves) == [["rollout 0", "rollout 1"], ["teacher a"], ["trainer 0", "trainer 1"]]
     # on CPU nothing is shared (no device memory to measure): one wave, as before
     cpu = Placement.__new__(Placement)

@@ -133,8 +133,8 @@ def run_e2e(args) -> dict:
     tp = LAYOUTS[args.layout][0]
     (e2e,) = _run(_trainer, tp, args, model_dir, _free_port())
     # printed before the raw transfer runs: a time limit that cuts the run short keeps this half
-    print(f"e2e syncs done: {args.layout} {args.shape}, {e2e['total_bytes'] / 1e9:.2f} GB, seconds {e2e['sync_s']}, "
-          f"phases {e2e['phases'][-1]}", flush=True)
+    print(f"e2e syncs done: {args.layout} {args.shape}, {e2e['total_bytes'] / 1e9:.2f} GB, "
+          f"seconds {e2e['sync_s']}, phases {e2e['phases'][-1]}", flush=True)
     raw = dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"], e2e["max_bucket"]))
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     gb = e2e["total_bytes"] / 1e9
