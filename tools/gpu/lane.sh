@@ -69,7 +69,7 @@ case "${1:-}" in
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py tests/test_train_resume.py \
         tests/test_weight_sync_moe.py ;;
   e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
-        # (an 8B run takes ~4 minutes: engine start and loading 16 GB; make the checkpoint beforehand)
+        # (an 8B run takes several minutes: engine start, loading 16 GB, raw transfer; give it >= 280 s)
     [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
         --bucket-mb 1024 --iters 5 --json "$OUT/e2e_$2_$3.json" > "$OUT/e2e_$2_$3.log" 2>&1
