@@ -42,8 +42,8 @@ class MoeStepStats:
         self.num_layers = config.num_layers
         self.num_experts = config.num_moe_experts
         self.routers = _routers(model_chunks)
-        # on the compute device: NCCL/HCCL reduce no host tensors, and the per-layer hook must not
-        # copy to the host (a sync per layer and micro-batch)
+        # on the compute device: accelerator collective backends reduce no host tensors, and the
+        # per-layer hook must not copy to the host (a sync per layer and micro-batch)
         self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64,
                                   device=current_device())
         self._handles = []

@@ -7,8 +7,10 @@ Means over the steps after the first `--skip` (the first step compiles kernels a
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
+
+from opkd_mcore.train.metrics import read_jsonl
 
 COLUMNS = ("timing/rollout", "timing/teacher", "timing/train", "timing/weight_sync", "timing/step")
 
@@ -21,9 +23,9 @@ def _rate(row: dict) -> float | None:
 
 
 def summarize(path: str, skip: int) -> str:
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    rows = [r for r in rows if "timing/step" in r][skip:]
+    if not os.path.exists(path):  # read_jsonl takes a missing file for an empty run
+        raise FileNotFoundError(f"{path}: no such metrics file")
+    rows = [r for r in read_jsonl(path) if "timing/step" in r][skip:]
     if not rows:
         return f"| {path} | no steps after the first {skip} |"
     cells = []
