@@ -47,3 +47,23 @@ def test_step_table_means_after_the_warm_up_step(tmp_path):
     assert "no steps" in step_table.summarize(str(path), skip=3)
     with pytest.raises(FileNotFoundError):
         step_table.summarize(str(tmp_path / "missing.jsonl"), skip=0)
+
+
+@pytest.mark.slow
+def test_bench_step_reuses_its_actors_across_schedules(tmp_path):
+    """`opkd bench step`: the second schedule runs on the first one's actors, which closes the weight-sync
+    groups on both ends, resets the trainer and rebuilds the groups (on two GPUs that once hung); each
+    schedule's row is written as soon as it is done."""
+    out = tmp_path / "step.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "opkd_mcore.cli", "bench", "step", "--steps", "2",
+                           "--schedules", "sync,one_step_off", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["sync", "one_step_off"]
+    for schedule, r in results.items():
+        assert len(r["per_step"]) == 2 and r["step"] > 0, schedule
+        assert all(s["timing/weight_sync"] > 0 for s in r["per_step"]), schedule
+    rows = [line.split("|")[0].strip() for line in proc.stdout.splitlines() if "|" in line]
+    assert rows == ["schedule", "sync", "one_step_off"]

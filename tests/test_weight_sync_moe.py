@@ -12,7 +12,7 @@ it leaves the experts unpacked, see `receiver._cpu_moe_prepack_on_update`.)
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from opkd_mcore.weight_sync.receiver import VllmWeightReceiver
 from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle
 from tests._dist import free_port, require_devices, run_distributed
 from tests.conftest import engine_kwargs
-from tests.test_weight_sync_vllm import TRAIN_SEQUENCES, _ce_loss, greedy, hf_state
+from tests.test_weight_sync_vllm import TRANSPORT, TRAIN_SEQUENCES, _ce_loss, greedy, hf_state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,7 +54,8 @@ def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
 
     init_parallel(ParallelConfig(ep=2, seed=7))
     try:
-        chunks = build_model(load_hf_config(hf_dir), moe_aux_loss_coeff=0.01)
+        # float32 as the engine: the probe compares bytes (an accelerator's default is bf16)
+        chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32, moe_aux_loss_coeff=0.01)
         load_hf_weights(chunks, hf_dir)
         engine = MegatronEngine(chunks, OptimConfig(lr=1e-2))
         batch = [pack_sequences([TRAIN_SEQUENCES[rank]], [4])]  # one sequence per DP rank
@@ -119,10 +120,14 @@ def test_ep2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
         before = greedy(llm)
         cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=300, bucket_bytes=1 << 18)
         handle = VllmSyncHandle(llm)
-        joined = handle.join_async(cfg.stage_groups(2))  # one group per source: (stage 0, EP rank 0 / 1)
+        # one group per source (stage 0, EP rank 0 / 1); on GPUs the transport the trainer picks for an
+        # engine on rank 0's device, device IPC (rank 1's buffers are mapped from the other GPU)
+        cfg = replace(cfg, transport=TRANSPORT)
+        joined = handle.join_async(cfg.stage_groups(2), transport=TRANSPORT)
         received = handle.receive_async()
         export_dir = str(tmp_path / "export")
-        per_rank = run_distributed(_trainer, 2, checkpoint, export_dir, asdict(cfg))
+        per_rank = run_distributed(_trainer, 2, checkpoint, export_dir, asdict(cfg),
+                                   backend=None if torch.cuda.is_available() else "gloo")
         assert joined.result(60) == [1] and received.result(120) == [VERSION]
 
         assert [r["source"] for r in per_rank] == [0, 1] and per_rank[0]["num_groups"] == 2

@@ -497,3 +497,35 @@ def test_sync_stats_split_host_time_into_pack_wait_and_load():
     # loading (loads overlap the next bucket's export) it spent waiting
     assert recv_wait_s + load_s >= n_tensors * export_delay
     assert recv_wait_s >= n_tensors * export_delay - n_buckets * load_delay > 0
+
+
+class _TeardownWaitsForPeer:
+    """A group end whose teardown returns only once the other end tears down too, as an accelerator
+    group's does (NCCL's finalize): closing one end, then the other, never returns."""
+
+    def __init__(self, mine, peers):
+        self.mine, self.peers = mine, peers
+
+    def close(self) -> None:
+        import threading
+
+        assert isinstance(self.mine, threading.Event)
+        self.mine.set()
+        if not all(p.wait(timeout=10) for p in self.peers):
+            raise TimeoutError("teardown: the other end never closed")
+
+
+def test_engine_link_closes_both_ends_at_once():
+    """`EngineWeightSync.close` (the torchrun layout's rank that drives the engine): the stage owner
+    and the engine's workers leave together; one after the other hung until a time limit on two GPUs."""
+    import threading
+    from types import SimpleNamespace
+
+    from opkd_mcore.weight_sync.engine_link import EngineWeightSync
+
+    trainer_end, engine_end = threading.Event(), threading.Event()
+    source = _TeardownWaitsForPeer(trainer_end, [engine_end])
+    source.cfg = SimpleNamespace(timeout_s=30)
+    link = EngineWeightSync(source, _TeardownWaitsForPeer(engine_end, [trainer_end]))
+    link.close()
+    assert trainer_end.is_set() and engine_end.is_set()

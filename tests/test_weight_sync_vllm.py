@@ -204,6 +204,10 @@ def _round_trip(llm, fresh, checkpoints):
     assert stats_2["last_version"] == 2 and stats_2["weights_consistent"]
     # a dense unquantized model loads in place off the CPU; the CPU engine repacks, so layerwise
     assert stats_2["load_mode"] == ("layerwise" if is_cpu() else "direct")
+    # direct: the second sync replays the loaders' recorded copies (buckets that split a q/k/v or
+    # gate/up group hand the loader copies and keep it), and still equals B bit for bit above
+    assert stats_1["last_replayed"] == 0
+    assert (stats_2["last_replayed"] > 0) == (stats_2["load_mode"] == "direct")
     # the per-phase host times a GPU profile reads: each inside the whole sync, the engine's loads
     # (and, layerwise, its reload set-up/finalize) took time
     assert 0 < stats_2["last_load_s"]
@@ -293,7 +297,8 @@ def _megatron_trainer(rank, world, hf_dir, export_dir, layout, sync_cfg, version
 
     init_parallel(ParallelConfig(**LAYOUTS[layout], seed=7))
     try:
-        chunks = build_model(load_hf_config(hf_dir))
+        # float32 as the engine: the probe compares bytes (an accelerator's default is bf16)
+        chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32)
         load_hf_weights(chunks, hf_dir)
         engine = MegatronEngine(chunks, OptimConfig(lr=1e-2))
         if LAYOUTS[layout].get("vpp"):

@@ -100,6 +100,16 @@ def summarize(history: list[dict]) -> dict:
     return out
 
 
+def _write_json(args, results: dict, startup_s: float) -> None:
+    if not args.json:
+        return
+    record = {"bench": "step", "results": results, "args": vars(args), "startup_s": startup_s,
+              "host": platform.node(), "processor": platform.processor() or platform.machine(),
+              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=2)
+
+
 def main(argv=None) -> int:
     import logging
 
@@ -122,6 +132,8 @@ def main(argv=None) -> int:
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
              num_cpus=max(os.cpu_count() or 1, int(cpus_needed(cfg, launch_world_size(cfg)) + 1)))
     results = {}
+    header = ["schedule", *[n for n, _ in COLUMNS], "sum_of_stages", "overlap", "staleness_max", "dropped"]
+    print(" | ".join(f"{h:>13}" for h in header), flush=True)
     try:
         groups = WorkerGroups(cfg, launch_world_size(cfg))
         startup_s = time.perf_counter() - start
@@ -129,22 +141,16 @@ def main(argv=None) -> int:
             run_cfg = load_config(None, base + [f"run.schedule={schedule}",
                                                 f"run.output_dir={os.path.join(root, schedule)}"])
             history = RayController(run_cfg, groups=groups).run()
-            results[schedule] = summarize(history)
+            results[schedule] = r = summarize(history)
+            # each schedule's row and the JSON as soon as it is done: a later schedule that hangs
+            # (a time limit on a lent machine) keeps the earlier ones
+            cells = [schedule] + [f"{r[h]:.3f}" for h in header[1:-2]] + [f"{r['staleness_max']:.0f}",
+                                                                           f"{r['dropped']:.0f}"]
+            print(" | ".join(f"{c:>13}" for c in cells), flush=True)
+            _write_json(args, results, startup_s)
         groups.shutdown()
     finally:
         ray.shutdown()
-    header = ["schedule", *[n for n, _ in COLUMNS], "sum_of_stages", "overlap", "staleness_max", "dropped"]
-    print(" | ".join(f"{h:>13}" for h in header))
-    for schedule, r in results.items():
-        cells = [schedule] + [f"{r[h]:.3f}" for h in header[1:-2]] + [f"{r['staleness_max']:.0f}",
-                                                                       f"{r['dropped']:.0f}"]
-        print(" | ".join(f"{c:>13}" for c in cells))
-    record = {"bench": "step", "results": results, "args": vars(args), "startup_s": startup_s,
-              "host": platform.node(), "processor": platform.processor() or platform.machine(),
-              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
     return 0
 
 

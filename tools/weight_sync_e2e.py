@@ -124,7 +124,9 @@ def _run(target, nprocs: int, *args) -> list:
         p.start()
     out = [queue.get(timeout=3600) for _ in range(nprocs if target is _raw else 1)]
     for p in procs:
-        p.join(120)
+        p.join(60)
+        if p.is_alive():  # the figures are in hand: a slow teardown must not hold the run
+            p.kill()
     return out
 
 

@@ -121,6 +121,7 @@ class RayController:
             if not self.export_only:
                 self.groups.sync(state.weight_version)
         elif not self.owns_groups:  # a reused trainer starts over from the initial checkpoint
+            self.groups.close_weight_sync()  # both ends together, before the trainer rebuilds its model
             self._on_trainers("reset")
             self.groups.connect_weight_sync()  # the new model's tensors, not the old ones
             self.groups.sync(0)

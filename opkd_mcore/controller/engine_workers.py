@@ -150,6 +150,15 @@ class RolloutEngineWorker:
         finally:
             self._release_requests()
 
+    def close_weight_sync(self) -> None:
+        """Leave the weight-sync groups (together with the trainer ranks: see
+        `WorkerGroups.close_weight_sync`)."""
+        self._hold_requests(wait_for_in_flight=True)
+        try:
+            self.handle.leave()
+        finally:
+            self._release_requests()
+
     def receive_weights(self, version: int, abort_in_flight: bool = False) -> int:
         """Receive `version` from the trainer's stage owners; see the module docstring for the gate."""
         self._hold_requests(wait_for_in_flight=not abort_in_flight)

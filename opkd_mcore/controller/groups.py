@@ -260,6 +260,16 @@ class WorkerGroups:
                 r.join_weight_sync.remote(self.sync_groups, 1 + e * tp, transport)
         await_named(named, ctl.sync_timeout_s, f"weight-sync groups {self.describe_groups()}")
 
+    def close_weight_sync(self) -> None:
+        """Tear the groups down on every member at once. An accelerator group's teardown flushes and
+        waits for its peers, so a trainer rank that closed alone (to rebuild its model) blocked until
+        the engines closed too, which they did only on the next join: a hang on two GPUs."""
+        named = {f"trainer rank {r} closes": t.close_weight_sync.remote()
+                 for r, t in enumerate(self.trainers)}
+        named.update({f"rollout engine {e} closes": r.close_weight_sync.remote()
+                      for e, r in enumerate(self.rollouts)})
+        await_named(named, self.cfg.controller.sync_timeout_s, "weight-sync groups close")
+
     def describe_groups(self) -> str:
         return ", ".join(f"stage {s} at {g['host']}:{g['port']}" for s, g in enumerate(self.sync_groups))
 

@@ -254,6 +254,25 @@ def _to_hf(lp: _LocalParam, layout: ModelLayout) -> dict[str, torch.Tensor]:
     raise ValueError(f"unknown tensor rule kind {kind!r}")
 
 
+def _views_to_hf(lp: _LocalParam, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """`_to_hf` where the tensor is not split (TP size 1): views of the parameter, no copy. q/k/v
+    come as [groups, rows, *tail], the HF tensor's rows in order (no 2-D view of them exists)."""
+    kind, names, w = lp.rule.kind.removeprefix("expert_"), lp.hf_names, lp.param.detach()
+    if kind in ("replicated", "row"):
+        return {names[0]: w}
+    if kind == "vocab":
+        return {names[0]: w[:layout.vocab_size]}
+    if kind == "gate_up":
+        half = w.shape[0] // 2
+        return {names[0]: w[:half], names[1]: w[half:]}
+    if kind == "qkv":
+        d, groups = layout.bridge.head_dim, layout.bridge.num_query_groups
+        q_per_group = layout.bridge.hf_config.num_attention_heads // groups
+        q, k, v = w.view(groups, (q_per_group + 2) * d, *w.shape[1:]).split([q_per_group * d, d, d], dim=1)
+        return {names[0]: q, names[1]: k, names[2]: v}
+    raise ValueError(f"unknown tensor rule kind {kind!r}")
+
+
 def _producers(model_chunks) -> dict[str, _LocalParam]:
     out: dict[str, _LocalParam] = {}
     for lp in _local_params(model_chunks):
@@ -267,7 +286,7 @@ def is_local(meta: WeightMeta, layout: ModelLayout) -> bool:
     return meta.pp_stage == layout.pp_rank and meta.ep_rank in (None, layout.ep_rank)
 
 
-def _iter_local(model_chunks, metadata) -> Iterator[tuple[WeightMeta, torch.Tensor]]:
+def _iter_local(model_chunks, metadata, views: bool = False) -> Iterator[tuple[WeightMeta, torch.Tensor]]:
     layout = layout_of(model_chunks)
     producers = _producers(model_chunks)
     pending: dict[str, torch.Tensor] = {}
@@ -278,29 +297,35 @@ def _iter_local(model_chunks, metadata) -> Iterator[tuple[WeightMeta, torch.Tens
             if meta.hf_name not in producers:
                 raise RuntimeError(f"no local parameter produces {meta.hf_name!r} on PP stage "
                                    f"{layout.pp_rank}")
-            pending.update(_to_hf(producers[meta.hf_name], layout))
+            lp = producers[meta.hf_name]
+            unsplit = _tp(lp.rule.is_expert)[1] == 1
+            pending.update(_views_to_hf(lp, layout) if views and unsplit else _to_hf(lp, layout))
         yield meta, pending.pop(meta.hf_name)
 
 
 @torch.no_grad()
 def iter_hf_weights(model_chunks, *, stages: str = "local",
-                    select: Callable[[WeightMeta], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    select: Callable[[WeightMeta], bool] | None = None,
+                    views: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream `(hf_name, full_tensor)` in `hf_weight_metadata` order.
 
     Collective: all TP ranks of a stage (and expert-TP ranks of an EP rank) iterate together; for
     "all", every rank. `select` ("local" only) keeps the tensors it returns True for: the same
     predicate on every rank of a TP / expert-TP group (weight sync splits the stream by sender).
+    `views` ("local" only): tensors that TP does not split come as views of the parameters instead
+    of copies, q/k/v as [groups, rows, ...] (see `_views_to_hf`), valid until the next optimizer
+    step: for a consumer that copies each one right away, as the weight-sync sender does.
     """
     if stages not in ("local", "all"):
         raise ValueError(f"stages: expected 'local' or 'all', got {stages!r}")
-    if select is not None and stages != "local":
-        raise ValueError("select: only with stages='local'")
+    if (select is not None or views) and stages != "local":
+        raise ValueError("select, views: only with stages='local'")
     metadata = hf_weight_metadata(model_chunks)
     if select is not None:
         metadata = [m for m in metadata if select(m)]
     layout = layout_of(model_chunks)
     if stages == "local" or (layout.pp == 1 and layout.ep == 1):
-        for meta, tensor in _iter_local(model_chunks, metadata):
+        for meta, tensor in _iter_local(model_chunks, metadata, views):
             yield meta.hf_name, tensor
         return
     yield from _iter_all(model_chunks, metadata, layout)

@@ -4,7 +4,7 @@ plan.py (bucket plan + digest) · sender.py (per-PP-stage, double-buffered) · t
 registry) · group_transport.py / colocated_ipc.py (transports) · bucket_receiver.py (engine-free
 receive) · receiver.py (vLLM worker extension) · vllm_handle.py (driver side, concurrent start) ·
 megatron_source.py (who sends what from a Megatron job) · engine_link.py (trainer rank that
-also drives the engine).
+also drives the engine) · copy_replay.py (a bucket's pack or load recorded once, replayed as copies).
 """
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
 from opkd_mcore.weight_sync.engine_link import EngineWeightSync

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from opkd_mcore.weight_sync.copy_replay import BucketReplay
 from opkd_mcore.weight_sync.plan import Bucket, BucketPlan, PlanMismatchError
 from opkd_mcore.weight_sync.protocol import TRAILER_BYTES, ControlChannel, SyncHeader, check_trailer
 from opkd_mcore.weight_sync.transport import TransportConfig, WeightTransport, make_transport
@@ -37,6 +38,7 @@ class ReceiverStats:
     last_load_s: float = 0.0
     last_wait_s: float = 0.0
     last_version: int = -1
+    last_replayed: int = 0  # buckets of the last sync loaded by replaying recorded copies
     buffer_ptrs: list[int] = field(default_factory=list)
 
 
@@ -86,15 +88,17 @@ class BucketReceiver:
         self.stats.buffer_allocations += 2
         self.stats.buffer_ptrs = [b.data_ptr() for b in self._buffers]
 
-    def receive(self, load_fn: LoadFn) -> int:
-        """Receive one full sync from every stage group; returns the weight version it carried."""
+    def receive(self, load_fn: LoadFn, replay: BucketReplay | None = None) -> int:
+        """Receive one full sync from every stage group; returns the weight version it carried.
+        `replay`: replays each bucket's first load as plain copies where that load was one."""
         if not self.transports:
             raise RuntimeError("receiver: call join() before receive()")
         start = time.perf_counter()
         self.stats.last_load_s = self.stats.last_wait_s = 0.0
+        self.stats.last_replayed = 0
         versions = set()
         for transport, control in zip(self.transports, self.controls):
-            versions.add(self._receive_stage(transport, control, load_fn))
+            versions.add(self._receive_stage(transport, control, load_fn, replay))
         if len(versions) != 1:
             raise RuntimeError(f"weight sync: stage groups sent different versions {sorted(versions)}")
         self.stats.syncs += 1
@@ -102,7 +106,8 @@ class BucketReceiver:
         self.stats.last_sync_s = time.perf_counter() - start
         return self.stats.last_version
 
-    def _receive_stage(self, transport: WeightTransport, control: ControlChannel, load_fn: LoadFn) -> int:
+    def _receive_stage(self, transport: WeightTransport, control: ControlChannel, load_fn: LoadFn,
+                       replay: BucketReplay | None) -> int:
         header = control.recv_header()
         plan = self._accept_plan(control, header)
         buckets = plan.stage_buckets(header.stage)
@@ -121,7 +126,12 @@ class BucketReceiver:
             # checked after posting the next receive: the check waits for the bytes on the host
             check_trailer(buf, bucket.nbytes, header.version, bucket.index, plan.digest())
             t1 = time.perf_counter()
-            load_fn(self.views(plan, bucket, buf))
+            if replay is None:
+                load_fn(self.views(plan, bucket, buf))
+            else:
+                key = (plan.digest(), bucket.index, buf.data_ptr())
+                views = lambda: self.views(plan, bucket, buf)  # noqa: E731  (called at once)
+                self.stats.last_replayed += replay.load(key, buf, views, load_fn)
             self.stats.last_wait_s += t1 - t0
             self.stats.last_load_s += time.perf_counter() - t1
             self.stats.bytes_received += bucket.nbytes

@@ -42,6 +42,10 @@ class EngineWeightSync:
         return version
 
     def close(self) -> None:
-        self.source.close()
-        if self.handle is not None:
-            self.handle.close()
+        """Both ends at once: an accelerator group's teardown waits for every member, so the stage
+        owner closing before the engine's workers (as this did) blocked until a time limit."""
+        if self.handle is None:
+            self.source.close()
+            return
+        run_concurrently({"rollout workers leave": self.handle.close,
+                          "trainer stage owner leaves": self.source.close}, self.timeout_s)

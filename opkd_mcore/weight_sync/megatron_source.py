@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from opkd_mcore.platform import current_device
 
+from opkd_mcore.weight_sync.copy_replay import BucketReplay
 from opkd_mcore.weight_sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from opkd_mcore.weight_sync.sender import SenderStats, WeightSender
 from opkd_mcore.weight_sync.transport import TransportConfig, make_transport
@@ -165,20 +166,40 @@ class MegatronWeightSync:
 
         stage = _ranks()[0]
         error: BaseException | None = None
+        alone = self._exports_alone()
+        if alone:
+            self._arm_replay()
         for source in self.sources:
             def select(meta, source=source):
                 return source_of(meta, self.ep) == source and _my_parts(meta, stage)
 
-            stream = iter_hf_weights(self.model_chunks, stages="local", select=select)
+            stream = iter_hf_weights(self.model_chunks, stages="local", select=select, views=alone)
             try:
                 if source == self.source and error is None:
                     self.sender.sync(stream, version)
             except Exception as err:  # noqa: BLE001  (re-raised below, after the peers are released)
                 error = err
-            for _ in stream:  # peers block in the export's gathers until the sender has walked it all
-                pass
+            if not alone:  # peers block in the export's gathers until the sender has walked it all
+                for _ in stream:
+                    pass
         _agree(error, shared=takes_part_in_export(), experts=takes_part_in_expert_export() and self.ep > 1)
         return self.sender.stats if self.sender is not None else None
+
+    def _exports_alone(self) -> bool:
+        """True where this rank's export needs no peer (TP and expert TP of size 1): then it hands
+        out views of the parameters and the sender may replay its packs without walking it."""
+        from megatron.core import parallel_state as ps
+
+        return self.sender is not None and ps.get_tensor_model_parallel_world_size() == 1 and \
+            ps.get_expert_tensor_parallel_world_size() == 1
+
+    def _arm_replay(self) -> None:
+        """The sender records its packs over the parameters' storages; recorded anew whenever they
+        moved (a checkpoint load that replaced parameters): records point into them."""
+        storages = {p.untyped_storage().data_ptr() for c in self.model_chunks for p in c.parameters()
+                    if p.numel() > 0}
+        if self.sender.replay is None or self.sender.replay.model != storages:
+            self.sender.replay = BucketReplay(storages, into_model=False)
 
     def close(self) -> None:
         if self.sender is not None:

@@ -8,7 +8,8 @@ Why not vLLM's native weight-transfer API: its engines are configured at engine 
 collective engine is tied to one GPU backend (nothing for CPU groups or other accelerators), and
 the API changed twice in a year. We use the layers it is built on: `model.load_weights` per
 bucket straight into the engine's tensors where vLLM's processing after loading is a no-op (dense
-unquantized models on GPUs: one copy per tensor, no allocation), and layerwise reload
+unquantized models on GPUs: one copy per tensor, no allocation; from the second sync on, each
+bucket's recorded copies are replayed without the Python loaders, see `copy_replay.py`), and layerwise reload
 (`initialize_layerwise_reload` → `load_weights` per bucket → `finalize_layerwise_reload`)
 everywhere else, e.g. on CPU backends that repack linear weights after loading (a plain
 `load_weights` into such an engine fails). `engine_load_mode` decides.
@@ -23,6 +24,7 @@ from dataclasses import asdict
 import torch
 
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver, ExpectedWeights
+from opkd_mcore.weight_sync.copy_replay import BucketReplay, model_storages
 from opkd_mcore.weight_sync.transport import TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -165,6 +167,7 @@ class VllmWeightReceiver:
         if check_plan:
             expected = expected_hf_weights(self.model_config.hf_config, self.model_config.dtype)
         self._opkd_receiver = BucketReceiver(expected)
+        self._opkd_replay = None  # records point into the receive buffers, which are new
         self._opkd_weights_consistent = True
         rank = rank_offset + self.rank
         self._opkd_receiver.join([TransportConfig(**g) for g in groups], rank, transport)
@@ -177,7 +180,12 @@ class VllmWeightReceiver:
         if self._opkd_load_mode() == "direct":
             self._opkd_reload_s = 0.0
             self._opkd_weights_consistent = False   # until every bucket is in: a failure leaves a mix
-            version = receiver.receive(lambda named: model.load_weights(weights=named))
+            # the loaders' copies, recorded once per bucket; recorded anew if the engine's tensors
+            # moved since (a reload or a wake-up that reallocated them): records point into them
+            storages = model_storages(model)
+            if getattr(self, "_opkd_replay", None) is None or self._opkd_replay.targets != storages:
+                self._opkd_replay = BucketReplay(storages)
+            version = receiver.receive(lambda named: model.load_weights(weights=named), self._opkd_replay)
             self._opkd_weights_consistent = True
             logger.info("loaded weight version %d (in place)", version)
             return version

@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from opkd_mcore.weight_sync.copy_replay import BucketReplay
 from opkd_mcore.weight_sync.plan import Bucket, BucketPlan, TensorSlot
 from opkd_mcore.weight_sync.protocol import TRAILER_BYTES, ControlChannel, plan_header, write_trailer
 from opkd_mcore.weight_sync.transport import PendingTransfer, WeightTransport
@@ -34,6 +35,7 @@ class SenderStats:
     # (TP gathers, un-fusing: the export's cost), and waiting for the previous bucket's transfer
     last_pack_s: float = 0.0
     last_wait_s: float = 0.0
+    last_replayed: int = 0  # buckets of the last sync packed by replaying recorded copies
     buffer_ptrs: list[int] = field(default_factory=list)
 
 
@@ -41,6 +43,10 @@ class WeightSender:
     """Streams one PP stage's tensors through a connected transport (group rank 0)."""
 
     def __init__(self, plan: BucketPlan, transport: WeightTransport, stage: int = 0):
+        """`replay` (set later by the caller, `None` = off): a `BucketReplay` over the storages of
+        the tensors the stream hands out; once every bucket's pack was recorded as pure copies, a
+        sync replays them and does not walk the stream at all (the stream must then be lazy and
+        free of collectives)."""
         if stage not in plan.stages:
             raise ValueError(f"stage: plan has stages {plan.stages}, got {stage}")
         if not transport.is_sender:
@@ -50,6 +56,7 @@ class WeightSender:
         self.stats = SenderStats()
         self._control: ControlChannel | None = None
         self._buffers: list[torch.Tensor] = []
+        self.replay: BucketReplay | None = None
 
     def _ensure_ready(self) -> ControlChannel:
         if self._control is None:
@@ -83,10 +90,18 @@ class WeightSender:
         timeout = self.transport.cfg.timeout_s
         pending: PendingTransfer | None = None
         pack_s = wait_s = 0.0
+        replaying = self.replay is not None and \
+            all(self.replay.replayable(self._key(i)) for i in range(len(self.buckets)))
+        self.stats.last_replayed = 0
         for i, bucket in enumerate(self.buckets):
             buf = self._buffers[i % 2]
             t0 = time.perf_counter()
-            self._pack(bucket, buf, stream)  # overlaps the transfer of bucket i-1
+            if self.replay is None:
+                self._pack(bucket, buf, stream)  # overlaps the transfer of bucket i-1
+            else:
+                # all or none: a replayed bucket would leave its tensors unread in the stream
+                self.stats.last_replayed += self.replay.run(
+                    self._key(i), buf, lambda: self._pack(bucket, buf, stream), may_replay=replaying)
             write_trailer(buf, bucket.nbytes, version, bucket.index, self.plan.digest())
             t1 = time.perf_counter()
             if pending is not None:
@@ -98,7 +113,7 @@ class WeightSender:
         if pending is not None:
             pending.wait(timeout)
         self.stats.last_pack_s, self.stats.last_wait_s = pack_s, wait_s + time.perf_counter() - t1
-        leftover = next(stream, None)
+        leftover = None if replaying else next(stream, None)
         if leftover is not None:
             raise ValueError(f"named_tensors: tensor {leftover[0]!r} is not in stage {self.stage}'s plan "
                              "(stream longer than the plan)")
@@ -107,6 +122,9 @@ class WeightSender:
         logger.info("weight sync v%d stage %d: %d buckets, %.1f MB in %.3f s", version, self.stage,
                     len(self.buckets), self.stats.bytes_sent / self.stats.syncs / 1e6, self.stats.last_sync_s)
         return self.stats
+
+    def _key(self, i: int) -> tuple:
+        return self.plan.digest(), self.buckets[i].index, self._buffers[i % 2].data_ptr()
 
     def _pack(self, bucket: Bucket, buf: torch.Tensor, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         missing = {self.plan.slots[i].name for i in bucket.slots}
@@ -123,11 +141,16 @@ class WeightSender:
                     f"{bucket.index}: {sorted(missing)[:3]}"
                 raise ValueError(f"named_tensors: tensor {name!r} {where}")
             _check_tensor(slot, tensor)
-            buf[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(tensor)
+            buf[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(tensor.shape).copy_(tensor)
             missing.discard(name)
 
 
 def _check_tensor(slot: TensorSlot, tensor: torch.Tensor) -> None:
-    if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
-        raise ValueError(f"named_tensors: tensor {slot.name!r} has shape {tuple(tensor.shape)} dtype "
+    """The plan's shape, or its first dimension split in two ([groups, rows, ...]: the same
+    row-major bytes, as a view export hands out q/k/v)."""
+    shape = tuple(tensor.shape)
+    grouped = len(shape) == len(slot.shape) + 1 >= 2 and shape[2:] == slot.shape[1:] and \
+        shape[0] * shape[1] == slot.shape[0]
+    if (shape != slot.shape and not grouped) or tensor.dtype != slot.dtype:
+        raise ValueError(f"named_tensors: tensor {slot.name!r} has shape {shape} dtype "
                          f"{tensor.dtype}, the plan says {slot.describe()}")

@@ -72,6 +72,10 @@ class VllmSyncHandle:
     def stats(self) -> list[dict]:
         return self._pool.submit(self.llm.collective_rpc, "opkd_weight_sync_stats").result()
 
-    def close(self) -> None:
+    def leave(self) -> None:
+        """Every worker leaves its groups; the handle stays usable for a later join."""
         self._pool.submit(self.llm.collective_rpc, "opkd_close_weight_sync").result()
+
+    def close(self) -> None:
+        self.leave()
         self._pool.shutdown(wait=True)

@@ -13,7 +13,8 @@
 #   bash tools/gpu/lane.sh train1_hidden  # the same, the vLLM teacher sending hidden states (exact dense KD)
 #   bash tools/gpu/lane.sh train2         # the same with student TP=2 over 2 GPUs
 #   bash tools/gpu/lane.sh demo           # opkd demo --device cuda
-#   bash tools/gpu/lane.sh e2e qwen3-8b tp1-disagg   # weight sync Megatron -> vLLM vs raw (2 GPUs)
+#   bash tools/gpu/lane.sh e2e qwen3-8b tp1-disagg   # weight sync Megatron -> vLLM vs raw (2 GPUs);
+#                                         # BUCKET_MB=256 for other buckets (default 1024)
 #   bash tools/gpu/lane.sh loss           # the loss inside a training step: time, share, memory
 #   bash tools/gpu/lane.sh lm_head        # fused LM head + KD: GPU tests, then the benchmark
 #   bash tools/gpu/lane.sh lm_head2       # the LM-head benchmark at TP=2 (2 GPUs)
@@ -71,9 +72,10 @@ case "${1:-}" in
   e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
         # (an 8B run takes several minutes: engine start, loading 16 GB, raw transfer; give it >= 280 s)
     [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
+    b=${BUCKET_MB:-1024}; log="$OUT/e2e_$2_$3_$b"
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
-        --bucket-mb 1024 --iters 5 --json "$OUT/e2e_$2_$3.json" > "$OUT/e2e_$2_$3.log" 2>&1
-    grep -A3 "^| layout" "$OUT/e2e_$2_$3.log" || grep "^e2e syncs done" "$OUT/e2e_$2_$3.log" || tail -20 "$OUT/e2e_$2_$3.log" ;;
+        --bucket-mb "$b" --iters 5 --json "$log.json" > "$log.log" 2>&1
+    grep -A3 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log" ;;
   models)
     python3 tools/make_model.py --shape qwen3-0.6b --out /tmp/models/qwen3-0.6b --seed 1 --device cuda
     python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 --device cuda ;;

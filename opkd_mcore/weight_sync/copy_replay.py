@@ -1,0 +1,141 @@
+"""Record what a weight load (or pack) does with one bucket, once; replay it as plain copies afterwards.
+
+In vLLM's direct load mode each weight loader copies a slice of the received bucket into a slice of
+one of the engine's tensors, and the plan fixes which tensor lands where in which bucket, so every
+sync repeats the same copies. The loaders are Python: name mapping, QKV / gate-up stacking, a few
+views per tensor, about 50 us of host time per tensor. For a 1.7B model that was ~15 ms per sync
+on the GPU machine, more than its device link needs to move the bytes (9 ms), and the engine's
+device idles meanwhile (docs/benchmarks.md, eighth session).
+
+`CopyRecorder` runs the load once under a dispatch mode that sees every aten op. The record is
+usable only if every op that touches the bucket or the model is a view, a same-shape same-dtype
+`copy_` from the bucket into the model, or a `fill_` / `zero_` of the model (vocabulary padding).
+Anything else (a cast, an index_put, a copy from a temporary) leaves the record unusable, and that
+bucket keeps its loader on every sync: nothing is replayed that was not seen to be a pure copy.
+`CopyRecord.replay()` is then one `torch._foreach_copy_` for the bucket.
+
+The sender's side is the mirror image where the export needs no collective (TP size 1): packing a
+bucket copies views of the trainer's parameters into it (`iter_hf_weights(views=True)`), ~47 us of
+host time per tensor through the export's Python; replayed, the export is not walked at all.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+logger = logging.getLogger(__name__)
+_aten = torch.ops.aten
+_FILLS = {_aten.fill_.Scalar, _aten.zero_.default}
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@dataclass
+class CopyRecord:
+    """The copies of one bucket's load: `dsts[i].copy_(srcs[i])`, then the fills."""
+
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    srcs: list[torch.Tensor] = field(default_factory=list)
+    fills: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+    impure: str | None = None  # why the record cannot stand in for the load
+
+    def replay(self) -> None:
+        if self.impure is not None:
+            raise RuntimeError(f"copy record: not replayable ({self.impure})")
+        if self.dsts:
+            torch._foreach_copy_(self.dsts, self.srcs)
+        for dst, value in self.fills:
+            dst.fill_(value)
+
+
+class CopyRecorder(TorchDispatchMode):
+    """`with CopyRecorder(sources, targets) as rec: load(...)`; then `rec.record`. Storage pointers
+    of the tensors the work reads from (`sources`) and of those it may write (`targets`): a
+    receiver reads the bucket buffer into the model's tensors, a sender the model into the bucket."""
+
+    def __init__(self, sources: set[int], targets: set[int]):
+        super().__init__()
+        self.sources, self.targets = sources, targets
+        self.record = CopyRecord()
+
+    def _touches(self, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        ptr = storage_ptr(t)
+        return ptr in self.sources or ptr in self.targets
+
+    def _taint(self, why: str) -> None:
+        if self.record.impure is None:
+            self.record.impure = why
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or self.record.impure is not None:
+            return out
+        if func is _aten.copy_.default:
+            self._copy(*args[:2], non_blocking=kwargs.get("non_blocking", False))
+        elif func in _FILLS and storage_ptr(args[0]) in self.targets:
+            self.record.fills.append((args[0], float(args[1]) if func is _aten.fill_.Scalar else 0.0))
+        elif any(self._touches(a) for a in (*args, *kwargs.values())):
+            self._taint(f"{func} on the bucket or the model")
+        return out
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        if storage_ptr(dst) not in self.targets or storage_ptr(src) not in self.sources:
+            if self._touches(dst) or self._touches(src):
+                self._taint("a copy that is not source -> target (a temporary in between?)")
+            return
+        if dst.shape != src.shape or dst.dtype != src.dtype or dst.device != src.device:
+            self._taint(f"a converting copy ({tuple(src.shape)} {src.dtype} -> "
+                        f"{tuple(dst.shape)} {dst.dtype})")
+            return
+        self.record.dsts.append(dst)
+        self.record.srcs.append(src)
+
+
+def model_storages(model: torch.nn.Module) -> set[int]:
+    """Storage pointers of every parameter and buffer: the tensors a load may write."""
+    return {storage_ptr(t) for t in (*model.parameters(), *model.buffers()) if t.numel() > 0}
+
+
+class BucketReplay:
+    """The first pass over each (plan, bucket, buffer) key is recorded; later passes of the same key
+    replay the record if it is pure, and do the work again otherwise. `model`: storage pointers of
+    the model's tensors; `into_model`: the work copies the buffer into them (a receiver's load),
+    else them into the buffer (a sender's pack)."""
+
+    def __init__(self, model: set[int], into_model: bool = True):
+        self.model, self.into_model = model, into_model
+        self.records: dict[tuple, CopyRecord] = {}
+
+    def replayable(self, key: tuple) -> bool:
+        record = self.records.get(key)
+        return record is not None and record.impure is None
+
+    def load(self, key: tuple, buf: torch.Tensor, views, load_fn) -> bool:
+        """A receiver's load of one bucket held in `buf`; `views()` makes the loader's (name, tensor)
+        list. True when the bucket was replayed."""
+        return self.run(key, buf, lambda: load_fn(views()))
+
+    def run(self, key: tuple, buf: torch.Tensor, work, may_replay: bool = True) -> bool:
+        """Replay `key`'s record (if `may_replay`), or call `work()`, recording it the first time.
+        True if replayed."""
+        if may_replay and self.replayable(key):
+            self.records[key].replay()
+            return True
+        if key in self.records:
+            work()
+            return False
+        ends = ({storage_ptr(buf)}, self.model)
+        with CopyRecorder(*(ends if self.into_model else ends[::-1])) as recorder:
+            work()
+        self.records[key] = recorder.record
+        if recorder.record.impure is not None:
+            logger.info("weight sync: bucket %s is not replayable (%s)", key[1], recorder.record.impure)
+        return False

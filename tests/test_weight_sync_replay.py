@@ -1,0 +1,230 @@
+"""Replaying recorded bucket loads (`weight_sync.copy_replay`) against running the loaders each time.
+
+The stand-in engine model loads like vLLM's weight loaders: q_proj lands in the first rows of a fused
+qkv tensor (narrow + copy_), the embedding in a vocabulary-padded tensor whose padding is zero-filled,
+norms by a plain copy_. The reference is the same model loaded by those loaders from the same bytes.
+The senders are real processes over gloo (`tests/test_weight_sync_transport.py`'s two-stage plan).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+
+import pytest
+import torch
+
+from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
+from opkd_mcore.weight_sync.copy_replay import BucketReplay, CopyRecorder, model_storages
+from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
+from tests._dist import free_port
+from tests.test_weight_sync_transport import _collect, _sender_proc, _stage_tensors, _start
+
+PAD_ROWS = 20  # the engine's embedding has more rows than the checkpoint's (vLLM pads the vocabulary)
+
+
+class StandInEngineModel(torch.nn.Module):
+    """The tensors of `_stage_tensors(0, v)` held the way an inference engine holds them."""
+
+    def __init__(self):
+        super().__init__()
+        shapes = dict((n, t.shape) for n, t in _stage_tensors(0, 0))
+        emb = shapes["model.embed_tokens.weight"]
+        self.embed = torch.nn.Parameter(torch.full((emb[0] + PAD_ROWS, emb[1]), 7.0), requires_grad=False)
+        self.layers = torch.nn.ModuleList()
+        for layer in range(3):
+            q = shapes[f"model.layers.{layer}.self_attn.q_proj.weight"]
+            m = torch.nn.Module()
+            m.qkv = torch.nn.Parameter(torch.full((q[0] + 16, q[1]), 5.0), requires_grad=False)
+            m.down = torch.nn.Parameter(torch.zeros(shapes[f"model.layers.{layer}.mlp.down_proj.weight"],
+                                                    dtype=torch.bfloat16), requires_grad=False)
+            m.norm = torch.nn.Parameter(torch.zeros(shapes[f"model.layers.{layer}.input_layernorm.weight"]),
+                                        requires_grad=False)
+            self.layers.append(m)
+
+    def load_weights(self, weights) -> None:
+        for name, w in weights:
+            if name == "model.embed_tokens.weight":
+                self.embed.data[:w.shape[0]].copy_(w)
+                self.embed.data[w.shape[0]:].fill_(0)
+                continue
+            m = self.layers[int(name.split(".")[2])]
+            if "q_proj" in name:
+                m.qkv.data.narrow(0, 0, w.shape[0]).copy_(w)
+            elif "down_proj" in name:
+                m.down.data.copy_(w)
+            else:
+                m.norm.data.copy_(w)
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _receiver_proc(groups, versions, queue):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        model, reference = StandInEngineModel(), StandInEngineModel()
+        calls = {"loader": 0}
+
+        def load(named):
+            calls["loader"] += 1
+            model.load_weights(named)
+
+        receiver, replay = BucketReceiver(), BucketReplay(model_storages(model))
+        receiver.join(groups[:1], 1)
+        per_sync = []
+        for v in versions:
+            calls["loader"] = 0
+            assert receiver.receive(load, replay) == v
+            reference.load_weights(_stage_tensors(0, v))
+            equal = all(torch.equal(a, b) for a, b in zip(_state(model).values(), _state(reference).values()))
+            per_sync.append((equal, calls["loader"], receiver.stats.last_replayed))
+        pure = sum(r.impure is None for r in replay.records.values())
+        queue.put(("receiver", 1, (per_sync, len(receiver.plan.stage_buckets(0)), pure)))
+        receiver.close()
+    except BaseException:
+        queue.put(("error", 1, traceback.format_exc()))
+
+
+def test_replayed_syncs_equal_the_loaders_bitwise():
+    queue = mp.get_context("spawn").Queue()
+    groups = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=60).stage_groups(2)
+    versions = [3, 4, 5, 6]
+    procs = [_start(_sender_proc, 0, groups[0], versions, queue),
+             _start(_receiver_proc, groups, versions, queue)]
+    results = _collect(queue, 2, timeout=120)
+    for p in procs:
+        p.join(30)
+    errors = [r for r in results if r[0] == "error"]
+    assert not errors, errors[0][2]
+    (per_sync, num_buckets, pure), = [r[2] for r in results if r[0] == "receiver"]
+    assert num_buckets > 2 and pure == num_buckets  # views, narrow + copy_ and fill_ only: all pure
+    assert all(equal for equal, _, _ in per_sync)
+    first, *later = per_sync
+    # bucket i always arrives in receive buffer i % 2: each is recorded once, on the first sync
+    assert first == (True, num_buckets, 0)
+    assert later == [(True, 0, num_buckets)] * len(later)
+
+
+def _bucket_of(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def _via_temporary(p, w):
+    tmp = torch.empty(w.shape)
+    tmp.copy_(w)
+    p.copy_(tmp)
+
+
+@pytest.mark.parametrize("loader, why", [
+    (lambda p, w: p.copy_(w.double()), "_to_copy"),                     # a cast: other bytes
+    (lambda p, w: p.copy_(w[:1]), "converting copy"),                   # a broadcasting copy
+    (lambda p, w: p.index_put_((torch.tensor([0]),), w[:1]), "index_put"),
+    (lambda p, w: p.copy_(w.clone()), "clone"),
+    (_via_temporary, "not source -> target"),
+    (lambda p, w: p.copy_(w * 2), "mul"),
+])
+def test_a_load_that_is_not_a_pure_copy_is_never_replayed(loader, why):
+    param = torch.zeros(4, 3)
+    buf = _bucket_of(torch.arange(12, dtype=torch.float32).view(4, 3))
+    with CopyRecorder(model_storages_of(buf), model_storages_of(param)) as rec:
+        loader(param, buf.view(torch.float32).view(4, 3))
+    assert rec.record.impure is not None and why in rec.record.impure
+    with pytest.raises(RuntimeError, match="not replayable"):
+        rec.record.replay()
+
+
+def test_bucket_replay_runs_the_loader_for_impure_buckets_every_time():
+    param = torch.zeros(4, 3)
+    buf = _bucket_of(torch.ones(4, 3))
+    replay, calls = BucketReplay(model_storages_of(param)), []
+
+    def load(named):
+        calls.append(1)
+        param.copy_(named[0][1] + 1)
+
+    views = lambda: [("w", buf.view(torch.float32).view(4, 3))]  # noqa: E731
+    assert [replay.load(("d", 0, 0), buf, views, load) for _ in range(3)] == [False, False, False]
+    assert len(calls) == 3 and torch.equal(param, torch.full((4, 3), 2.0))
+
+
+def test_replay_follows_new_bucket_bytes_and_leaves_other_rows():
+    param = torch.full((6, 2), 9.0)
+    buf = _bucket_of(torch.zeros(4, 2))
+    with CopyRecorder(model_storages_of(buf), model_storages_of(param)) as rec:
+        param.narrow(0, 1, 4).copy_(buf.view(torch.float32).view(4, 2))
+    new = torch.arange(8, dtype=torch.float32).view(4, 2)
+    buf.copy_(_bucket_of(new))
+    rec.record.replay()
+    assert torch.equal(param[1:5], new) and torch.equal(param[[0, 5]], torch.full((2, 2), 9.0))
+
+
+def model_storages_of(*tensors: torch.Tensor) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def _megatron_sender(rank, world, hf_dir, sync_cfg, tp):
+    """Change the weights in place, sync, and keep the export's digests (the reference), four times;
+    before the fourth sync one parameter gets new storage, as a checkpoint load may do."""
+    from opkd_mcore.models import build_model, iter_hf_weights, load_hf_config, load_hf_weights
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync
+
+    init_parallel(ParallelConfig(tp=tp, seed=3))
+    try:
+        chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32)
+        load_hf_weights(chunks, hf_dir)
+        sync = MegatronWeightSync(chunks, SyncGroupsConfig(**sync_cfg))
+        sync.connect()
+        params = [p for p in chunks[0].parameters()]
+        out = []
+        for v in (1, 2, 3, 4):
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    p.add_(0.01 * v * (i + 1))
+                if v == 4:
+                    params[0].data = params[0].data.clone() + 1
+            reference = {n: _digest(t) for n, t in iter_hf_weights(chunks, stages="local")}
+            sync.sync(v)
+            out.append((reference, sync.sender.stats.last_replayed if sync.sender else None))
+        sync.close()
+        return {"owner": sync.sender is not None, "syncs": out,
+                "buckets": len(sync.plan.buckets)}
+    finally:
+        destroy_parallel()
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_sender_replays_its_packs_only_where_the_export_is_local(tmp_path, tp):
+    """TP=1: from the second sync on the sender replays its packs without walking the export, and the
+    receiver gets the export's bytes every time (q/k/v of grouped-query attention included); a
+    parameter whose storage moved is recorded anew. TP=2: the export gathers, nothing is replayed."""
+    from dataclasses import asdict
+
+    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+    from tests._dist import run_distributed
+    from tests.test_weight_sync_transport import _receiver_proc as digest_receiver
+
+    hf_dir = save_tiny_hf_model(str(tmp_path / "tiny"), "qwen3", TinyModelShape(num_key_value_heads=2))
+    cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=120, bucket_bytes=64 * 1024)
+    queue = mp.get_context("spawn").Queue()
+    receiver = _start(digest_receiver, 1, cfg.stage_groups(1), 4, 10**6, queue)
+    per_rank = run_distributed(_megatron_sender, max(tp, 1), hf_dir, asdict(cfg), tp)
+    kind, _, payload = queue.get(timeout=120)
+    receiver.join(30)
+    assert kind == "receiver", payload
+    versions, loaded = payload[0], payload[1]
+    (owner,) = [r for r in per_rank if r["owner"]]
+    assert versions == [1, 2, 3, 4] and owner["buckets"] > 2
+    for (reference, _), received in zip(owner["syncs"], loaded):
+        assert received == reference
+    replayed = [n for _, n in owner["syncs"]]
+    assert replayed == ([0, owner["buckets"], owner["buckets"], 0] if tp == 1 else [0, 0, 0, 0])
+
