@@ -228,3 +228,18 @@ def test_megatron_sender_replays_its_packs_only_where_the_export_is_local(tmp_pa
     replayed = [n for _, n in owner["syncs"]]
     assert replayed == ([0, owner["buckets"], owner["buckets"], 0] if tp == 1 else [0, 0, 0, 0])
 
+
+
+def test_a_new_plan_drops_the_old_plans_records():
+    param = torch.zeros(4, 3)
+    old_buf, new_buf = _bucket_of(torch.ones(4, 3)), _bucket_of(torch.full((4, 3), 2.0))
+    replay = BucketReplay(model_storages_of(param))
+
+    def load_from(buf):
+        return lambda named: param.copy_(named[0][1])
+
+    for digest, buf in (("plan-a", old_buf), ("plan-a", old_buf), ("plan-b", new_buf)):
+        views = lambda buf=buf: [("w", buf.view(torch.float32).view(4, 3))]  # noqa: E731
+        replay.load((digest, 0, buf.data_ptr()), buf, views, load_from(buf))
+    assert list(replay.records) == [("plan-b", 0, new_buf.data_ptr())]
+    assert torch.equal(param, torch.full((4, 3), 2.0))

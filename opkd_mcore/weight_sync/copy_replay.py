@@ -105,7 +105,7 @@ def model_storages(model: torch.nn.Module) -> set[int]:
 
 
 class BucketReplay:
-    """The first pass over each (plan, bucket, buffer) key is recorded; later passes of the same key
+    """The first pass over each (plan digest, bucket, buffer) key is recorded; later passes of the same key
     replay the record if it is pure, and do the work again otherwise. `model`: storage pointers of
     the model's tensors; `into_model`: the work copies the buffer into them (a receiver's load),
     else them into the buffer (a sender's pack)."""
@@ -126,6 +126,8 @@ class BucketReplay:
     def run(self, key: tuple, buf: torch.Tensor, work, may_replay: bool = True) -> bool:
         """Replay `key`'s record (if `may_replay`), or call `work()`, recording it the first time.
         True if replayed."""
+        if self.records and next(iter(self.records))[0] != key[0]:
+            self.records.clear()  # another plan: its records (and the old buffers they view) go
         if may_replay and self.replayable(key):
             self.records[key].replay()
             return True
