@@ -87,12 +87,15 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
 
 def _phases(syncer) -> dict:
     """Host seconds of the last sync by phase: the sender's export + pack and its waits, the first
-    engine worker's load, its waits for bytes, and vLLM's layerwise reload set-up + finalize."""
+    engine worker's load, its waits for bytes, and vLLM's layerwise reload set-up + finalize; and
+    how many buckets each end replayed (`weight_sync/copy_replay.py`)."""
     sender = syncer.link.source.sender
-    out = {} if sender is None else {"pack_s": sender.stats.last_pack_s, "send_wait_s": sender.stats.last_wait_s}
+    out = {} if sender is None else {"pack_s": sender.stats.last_pack_s, "send_wait_s": sender.stats.last_wait_s,
+                                     "sent_replayed": sender.stats.last_replayed}
     if syncer.link.handle is not None:
         worker = syncer.link.handle.stats()[0]
-        out.update(load_s=worker["last_load_s"], recv_wait_s=worker["last_wait_s"], reload_s=worker["last_reload_s"])
+        out.update(load_s=worker["last_load_s"], recv_wait_s=worker["last_wait_s"], reload_s=worker["last_reload_s"],
+                   loaded_replayed=worker["last_replayed"])
     return out
 
 
