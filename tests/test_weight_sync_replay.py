@@ -243,3 +243,34 @@ def test_a_new_plan_drops_the_old_plans_records():
         replay.load((digest, 0, buf.data_ptr()), buf, views, load_from(buf))
     assert list(replay.records) == [("plan-b", 0, new_buf.data_ptr())]
     assert torch.equal(param, torch.full((4, 3), 2.0))
+
+
+def test_replay_keeps_the_order_of_fills_and_copies():
+    """A loader that clears a tensor and then copies into part of it: replayed in that order."""
+    param = torch.full((4, 3), 9.0)
+    buf = _bucket_of(torch.zeros(2, 3))
+    with CopyRecorder(model_storages_of(buf), model_storages_of(param)) as rec:
+        param.zero_()
+        param[1:3].copy_(buf.view(torch.float32).view(2, 3))
+    assert rec.record.impure is None and [s[0] for s in rec.record.steps] == ["fill", "copy"]
+    new = torch.tensor([[1.0, 2, 3], [4, 5, 6]])
+    buf.copy_(_bucket_of(new))
+    param.fill_(9.0)
+    rec.record.replay()
+    assert torch.equal(param, torch.cat([torch.zeros(1, 3), new, torch.zeros(1, 3)]))
+
+
+def test_copies_that_may_write_the_same_bytes_are_never_replayed():
+    """A run of copies is replayed as one batch in no set order: overlapping writes stay unreplayed."""
+    param = torch.zeros(4, 3)
+    buf = _bucket_of(torch.ones(3, 3))
+    replay = BucketReplay(model_storages_of(param))
+    rows = buf.view(torch.float32).view(3, 3)
+
+    def load(named):
+        param[0:2].copy_(rows[0:2])
+        param[1:3].copy_(rows[1:3])  # rows 1 written twice
+
+    assert not replay.run(("d", 0, 0), buf, lambda: load(None))
+    assert "overlapping" in replay.records[("d", 0, 0)].impure
+    assert not replay.run(("d", 0, 0), buf, lambda: load(None))  # the loader again, never a replay

@@ -12,7 +12,8 @@ usable only if every op that touches the bucket or the model is a view, a same-s
 `copy_` from the bucket into the model, or a `fill_` / `zero_` of the model (vocabulary padding).
 Anything else (a cast, an index_put, a copy from a temporary) leaves the record unusable, and that
 bucket keeps its loader on every sync: nothing is replayed that was not seen to be a pure copy.
-`CopyRecord.replay()` is then one `torch._foreach_copy_` for the bucket.
+`CopyRecord.replay()` then redoes the writes in their order, each run of copies as one
+`torch._foreach_copy_`.
 
 The sender's side is the mirror image where the export needs no collective (TP size 1): packing a
 bucket copies views of the trainer's parameters into it (`iter_hf_weights(views=True)`), ~47 us of
@@ -37,20 +38,48 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 @dataclass
 class CopyRecord:
-    """The copies of one bucket's load: `dsts[i].copy_(srcs[i])`, then the fills."""
+    """The writes of one bucket's load, in order: runs of copies (`dsts[i].copy_(srcs[i])`, one
+    `torch._foreach_copy_` per run) and fills between them."""
 
-    dsts: list[torch.Tensor] = field(default_factory=list)
-    srcs: list[torch.Tensor] = field(default_factory=list)
-    fills: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+    steps: list = field(default_factory=list)  # ("copy", dsts, srcs) | ("fill", dst, value)
     impure: str | None = None  # why the record cannot stand in for the load
+
+    def add_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not self.steps or self.steps[-1][0] != "copy":
+            self.steps.append(("copy", [], []))
+        self.steps[-1][1].append(dst)
+        self.steps[-1][2].append(src)
+
+    def add_fill(self, dst: torch.Tensor, value: float) -> None:
+        self.steps.append(("fill", dst, value))
+
+    def overlapping_copies(self) -> str | None:
+        """A run of copies is replayed as one batch, whose order is not guaranteed: two writes of a
+        run that may touch the same bytes make the record unusable (judged by their byte extents)."""
+        for step in self.steps:
+            if step[0] != "copy":
+                continue
+            spans = sorted(_extent(t) for t in step[1])
+            for (ptr_a, _, end_a), (ptr_b, start_b, _) in zip(spans, spans[1:]):
+                if ptr_a == ptr_b and start_b < end_a:
+                    return "two copies write overlapping bytes"
+        return None
 
     def replay(self) -> None:
         if self.impure is not None:
             raise RuntimeError(f"copy record: not replayable ({self.impure})")
-        if self.dsts:
-            torch._foreach_copy_(self.dsts, self.srcs)
-        for dst, value in self.fills:
-            dst.fill_(value)
+        for kind, dst, arg in self.steps:
+            if kind == "copy":
+                torch._foreach_copy_(dst, arg)
+            else:
+                dst.fill_(arg)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage, first byte, one past the last byte) that a strided tensor may touch."""
+    start = t.storage_offset() * t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    return storage_ptr(t), start, start + (last + 1) * t.element_size()
 
 
 class CopyRecorder(TorchDispatchMode):
@@ -79,14 +108,14 @@ class CopyRecorder(TorchDispatchMode):
         if func.is_view or self.record.impure is not None:
             return out
         if func is _aten.copy_.default:
-            self._copy(*args[:2], non_blocking=kwargs.get("non_blocking", False))
+            self._copy(*args[:2])
         elif func in _FILLS and storage_ptr(args[0]) in self.targets:
-            self.record.fills.append((args[0], float(args[1]) if func is _aten.fill_.Scalar else 0.0))
+            self.record.add_fill(args[0], float(args[1]) if func is _aten.fill_.Scalar else 0.0)
         elif any(self._touches(a) for a in (*args, *kwargs.values())):
             self._taint(f"{func} on the bucket or the model")
         return out
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if storage_ptr(dst) not in self.targets or storage_ptr(src) not in self.sources:
             if self._touches(dst) or self._touches(src):
                 self._taint("a copy that is not source -> target (a temporary in between?)")
@@ -95,8 +124,7 @@ class CopyRecorder(TorchDispatchMode):
             self._taint(f"a converting copy ({tuple(src.shape)} {src.dtype} -> "
                         f"{tuple(dst.shape)} {dst.dtype})")
             return
-        self.record.dsts.append(dst)
-        self.record.srcs.append(src)
+        self.record.add_copy(dst, src)
 
 
 def model_storages(model: torch.nn.Module) -> set[int]:
@@ -137,6 +165,8 @@ class BucketReplay:
         ends = ({storage_ptr(buf)}, self.model)
         with CopyRecorder(*(ends if self.into_model else ends[::-1])) as recorder:
             work()
+        if recorder.record.impure is None:
+            recorder.record.impure = recorder.record.overlapping_copies()
         self.records[key] = recorder.record
         if recorder.record.impure is not None:
             logger.info("weight sync: bucket %s is not replayable (%s)", key[1], recorder.record.impure)
