@@ -274,3 +274,52 @@ def test_copies_that_may_write_the_same_bytes_are_never_replayed():
     assert not replay.run(("d", 0, 0), buf, lambda: load(None))
     assert "overlapping" in replay.records[("d", 0, 0)].impure
     assert not replay.run(("d", 0, 0), buf, lambda: load(None))  # the loader again, never a replay
+
+
+def _direct_worker_proc(groups, versions, queue):
+    """The vLLM worker extension's direct-mode receive (`VllmWeightReceiver.opkd_receive_weights`)
+    on a stand-in worker: only the engine model is a stand-in (a CPU vLLM engine repacks its
+    weights, so it loads layerwise and never takes this branch). Before the third sync one tensor
+    is reallocated, as a reload may do: its records must not be replayed."""
+    from types import SimpleNamespace
+
+    from opkd_mcore.weight_sync.receiver import VllmWeightReceiver
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        worker = VllmWeightReceiver()
+        worker.model_runner = SimpleNamespace(model=StandInEngineModel())
+        worker._opkd_mode = "direct"
+        worker._opkd_receiver, worker._opkd_replay = BucketReceiver(), None
+        worker._opkd_receiver.join(groups[:1], 1)
+        reference, out = StandInEngineModel(), []
+        for v in versions:
+            if v == versions[2]:
+                worker.model_runner.model.embed.data = worker.model_runner.model.embed.data.clone()
+            assert worker.opkd_receive_weights() == v
+            reference.load_weights(_stage_tensors(0, v))
+            equal = all(torch.equal(a, b) for a, b in zip(_state(worker.model_runner.model).values(),
+                                                          _state(reference).values()))
+            stats = worker.opkd_weight_sync_stats()
+            out.append((equal, stats["last_replayed"], stats["weights_consistent"]))
+        queue.put(("receiver", 1, out))
+        worker.opkd_close_weight_sync()
+    except BaseException:
+        queue.put(("error", 1, traceback.format_exc()))
+
+
+def test_vllm_receiver_direct_mode_replays_and_rerecords_moved_tensors():
+    queue = mp.get_context("spawn").Queue()
+    groups = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=60).stage_groups(2)
+    versions = [3, 4, 5, 6]
+    procs = [_start(_sender_proc, 0, groups[0], versions, queue),
+             _start(_direct_worker_proc, groups, versions, queue)]
+    results = _collect(queue, 2, timeout=120)
+    for p in procs:
+        p.join(30)
+    errors = [r for r in results if r[0] == "error"]
+    assert not errors, errors[0][2]
+    (per_sync,) = [r[2] for r in results if r[0] == "receiver"]
+    assert all(equal and consistent for equal, _, consistent in per_sync)
+    replayed = [n for _, n, _ in per_sync]
+    assert replayed[0] == 0 and replayed[1] > 0 and replayed[2] == 0 and replayed[3] == replayed[1]

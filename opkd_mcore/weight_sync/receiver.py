@@ -183,7 +183,7 @@ class VllmWeightReceiver:
             # the loaders' copies, recorded once per bucket; recorded anew if the engine's tensors
             # moved since (a reload or a wake-up that reallocated them): records point into them
             storages = model_storages(model)
-            if getattr(self, "_opkd_replay", None) is None or self._opkd_replay.targets != storages:
+            if getattr(self, "_opkd_replay", None) is None or self._opkd_replay.model != storages:
                 self._opkd_replay = BucketReplay(storages)
             version = receiver.receive(lambda named: model.load_weights(weights=named), self._opkd_replay)
             self._opkd_weights_consistent = True
