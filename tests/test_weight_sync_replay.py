@@ -87,18 +87,25 @@ def _receiver_proc(groups, versions, queue):
         queue.put(("error", 1, traceback.format_exc()))
 
 
-def test_replayed_syncs_equal_the_loaders_bitwise():
+def _sync_four_versions(receiver_target):
+    """Stage 0 of the two-stage plan sent as versions 3..6 by a real sender process to a receiver
+    process running `receiver_target(groups, versions, queue)`; returns what the receiver reported."""
     queue = mp.get_context("spawn").Queue()
     groups = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=60).stage_groups(2)
     versions = [3, 4, 5, 6]
     procs = [_start(_sender_proc, 0, groups[0], versions, queue),
-             _start(_receiver_proc, groups, versions, queue)]
+             _start(receiver_target, groups, versions, queue)]
     results = _collect(queue, 2, timeout=120)
     for p in procs:
         p.join(30)
     errors = [r for r in results if r[0] == "error"]
     assert not errors, errors[0][2]
-    (per_sync, num_buckets, pure), = [r[2] for r in results if r[0] == "receiver"]
+    (payload,) = [r[2] for r in results if r[0] == "receiver"]
+    return payload
+
+
+def test_replayed_syncs_equal_the_loaders_bitwise():
+    per_sync, num_buckets, pure = _sync_four_versions(_receiver_proc)
     assert num_buckets > 2 and pure == num_buckets  # views, narrow + copy_ and fill_ only: all pure
     assert all(equal for equal, _, _ in per_sync)
     first, *later = per_sync
@@ -309,17 +316,7 @@ def _direct_worker_proc(groups, versions, queue):
 
 
 def test_vllm_receiver_direct_mode_replays_and_rerecords_moved_tensors():
-    queue = mp.get_context("spawn").Queue()
-    groups = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=60).stage_groups(2)
-    versions = [3, 4, 5, 6]
-    procs = [_start(_sender_proc, 0, groups[0], versions, queue),
-             _start(_direct_worker_proc, groups, versions, queue)]
-    results = _collect(queue, 2, timeout=120)
-    for p in procs:
-        p.join(30)
-    errors = [r for r in results if r[0] == "error"]
-    assert not errors, errors[0][2]
-    (per_sync,) = [r[2] for r in results if r[0] == "receiver"]
+    per_sync = _sync_four_versions(_direct_worker_proc)
     assert all(equal and consistent for equal, _, consistent in per_sync)
     replayed = [n for _, n, _ in per_sync]
     assert replayed[0] == 0 and replayed[1] > 0 and replayed[2] == 0 and replayed[3] == replayed[1]
