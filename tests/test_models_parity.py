@@ -117,6 +117,25 @@ def _export_mismatches(chunks, hf_dir: str) -> list[str]:
     return bad
 
 
+def _view_mismatches(chunks, hf_dir: str) -> list[str]:
+    """Names whose tensor in the weight-sync export (`views=True`: views of the parameters or of one
+    gather, in a shape refining the HF one) is not the original checkpoint's, or not in such a shape."""
+    from safetensors import safe_open
+
+    from opkd_mcore.models import iter_hf_weights
+    from opkd_mcore.weight_sync.sender import refines
+
+    bad = []
+    with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        for name, view in iter_hf_weights(chunks, stages="local", views=True):
+            want = f.get_tensor(name) if name in keys else None
+            if want is None or not refines(tuple(view.shape), tuple(want.shape)) or \
+                    not torch.equal(want, view.reshape(want.shape)):
+                bad.append(name)
+    return bad
+
+
 def _run_case(rank, family, layout_name, hf_dir, out_root):
     from opkd_mcore.models import (build_model, hf_weight_metadata, iter_hf_weights,
                                    load_hf_config, load_hf_weights, save_hf_checkpoint)
@@ -136,6 +155,7 @@ def _run_case(rank, family, layout_name, hf_dir, out_root):
         result = dict(logits=_np(logits), packed=packed and tuple(_np(t) for t in packed),
                       meta=meta, local=local,
                       mismatches=_export_mismatches(chunks, hf_dir),
+                      view_mismatches=_view_mismatches(chunks, hf_dir),
                       pp_rank=chunks[0].opkd_layout.pp_rank,
                       padded_vocab=chunks[0].opkd_layout.padded_vocab_size)
         if layout_name != "tp1" and family == "qwen3":
@@ -216,6 +236,7 @@ def test_export_reproduces_checkpoint_bit_for_bit(results, case):
     per_rank, _ = results
     for r in per_rank:
         assert r[case]["mismatches"] == []
+        assert r[case]["view_mismatches"] == []
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{f}-{lay}" for f, lay in CASES])

@@ -90,3 +90,61 @@ def test_topk_rows_drop_entries_beyond_k_and_pad_small_vocab():
 def test_malformed_rows_name_the_request(ranked, match):
     with pytest.raises(MalformedTeacherOutputError, match=rf"req-7, position 0: .*{match}"):
         topk_from_ranked(ranked, 2, request="req-7", vocab_size=16)
+
+
+def _reference_topk(rows, k, vocab_size):
+    """The per-position algorithm `topk_from_flat` replaced: dict semantics for repeated ids (the
+    last copy wins), sort by (rank, -logprob), keep k; padding as in TopKTeacher."""
+    ids = torch.full((len(rows), k), PAD_ID, dtype=torch.int64)
+    logprobs = torch.full((len(rows), k), -math.inf, dtype=torch.float32)
+    for t, entries in enumerate(rows):
+        last = {tok: (lp, rank) for tok, lp, rank in entries}
+        top = sorted(((tok, lp, r) for tok, (lp, r) in last.items() if r <= k), key=lambda e: (e[2], -e[1]))[:k]
+        ids[t, :len(top)] = torch.tensor([e[0] for e in top], dtype=torch.int64)
+        logprobs[t, :len(top)] = torch.tensor([e[1] for e in top], dtype=torch.float32)
+    return TopKTeacher(ids=ids, logprobs=logprobs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flat_topk_equals_the_per_position_reference(seed):
+    """Random rows as vLLM lays them out: the scored token first (beyond k, or repeated exactly
+    among the top-k with its own rank, tied values included), then ranks 1..k."""
+    from opkd_mcore.teacher.base import topk_from_flat
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab, k = 50, 6
+    rows = []
+    for _ in range(40):
+        ids = torch.randperm(vocab, generator=gen)[:k + 1].tolist()
+        values = sorted((torch.randint(-8, 0, (k,), generator=gen).double() / 4).tolist(), reverse=True)
+        top = [(ids[r], values[r], r + 1) for r in range(k)]
+        pick = int(torch.randint(0, 3, (1,), generator=gen))
+        if pick == 0:  # the scored token ranks beyond k
+            scored = (ids[k], -9.0, k + 5)
+        else:  # it is one of the top-k; with tied values its own rank may be another tie's
+            r = int(torch.randint(0, k, (1,), generator=gen))
+            first_tie = values.index(values[r])
+            scored = (ids[r], values[r], first_tie + 1 if pick == 2 else r + 1)
+        rows.append([scored] + top)
+    flat = [e for row in rows for e in row]
+    got = topk_from_flat([e[0] for e in flat], [e[1] for e in flat], [e[2] for e in flat],
+                         [len(r) for r in rows], k, request="req", vocab_size=vocab)
+    want = _reference_topk(rows, k, vocab)
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.logprobs, want.logprobs)
+
+
+def test_flat_prompt_logprobs_give_the_rows_of_the_dict_form(tempered_teacher):
+    """The teacher reads vLLM's flat logprobs; the same engine's dict form, read the old way, gives
+    the same rows bit for bit."""
+    from vllm import SamplingParams
+
+    from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
+
+    k = 8
+    scored = VllmTeacher(tempered_teacher.llm, VllmTeacherConfig(k=k)).score(SEQUENCES)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
+    outputs = tempered_teacher.llm.generate([{"prompt_token_ids": s} for s in SEQUENCES], params, use_tqdm=False)
+    for rows, out in zip(scored, outputs):
+        ranked = [[(tok, lp.logprob, lp.rank) for tok, lp in pos.items()] for pos in out.prompt_logprobs[1:]]
+        want = _reference_topk(ranked, k, tempered_teacher.vocab_size)
+        assert torch.equal(rows.ids, want.ids) and torch.equal(rows.logprobs, want.logprobs)

@@ -278,7 +278,23 @@ def test_stream_errors_name_the_tensor():
         sender.sync(iter(_stage_tensors(0, 1)[:-2]), 1)
     with pytest.raises(ValueError, match="version"):
         sender.sync(iter(_stage_tensors(0, 1)), -1)
+    # same elements, a shape that does not refine the plan's (the row-major order would differ)
+    transposed = [(n, t.t()) if "q_proj" in n else (n, t) for n, t in _stage_tensors(0, 1)]
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.weight' has shape"):
+        sender.sync(iter(transposed), 1)
     sender.transport.close()
+
+
+@pytest.mark.parametrize("shape,target,ok", [
+    ((6, 4), (6, 4), True), ((2, 3, 4), (6, 4), True), ((6, 2, 2), (6, 4), True), ((1, 6, 4), (6, 4), True),
+    ((3, 8), (6, 4), False), ((4, 6), (6, 4), False), ((24,), (6, 4), False), ((2, 3), (6,), True),
+    ((5,), (6,), False)])
+def test_a_view_shape_must_refine_the_plan_shape(shape, target, ok):
+    """The sender copies a view export's tensor through `.view(shape)` of the plan's bytes: only a
+    split of the plan's dimensions keeps the elements in place."""
+    from opkd_mcore.weight_sync.sender import refines
+
+    assert refines(shape, target) is ok
 
 
 class FakeGroupFactoryForSelectionTest:
@@ -529,3 +545,29 @@ def test_engine_link_closes_both_ends_at_once():
     link = EngineWeightSync(source, _TeardownWaitsForPeer(engine_end, [trainer_end]))
     link.close()
     assert trainer_end.is_set() and engine_end.is_set()
+
+
+class _GroupWhoseShutdownWaitsForADeadPeer:
+    """Stands in for an NCCL group one of whose members died: the orderly teardown (`shutdown`,
+    ncclCommFinalize) would wait for it; `abort` returns."""
+
+    def __init__(self):
+        self.calls = []
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+        raise AssertionError("shutdown would wait for the dead member forever")
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+
+@pytest.mark.parametrize("name", ["group", "colocated_ipc"])
+def test_leaving_a_group_whose_peer_died_aborts_instead_of_waiting(name):
+    """After an engine died, the trainer leaves the old group alone (the controller's recovery):
+    that end must abort, not run the teardown that waits for every member."""
+    transport = make_transport(name, TransportConfig(port=free_port(), world_size=2), rank=0)
+    group_end = transport.control if name == "colocated_ipc" else transport
+    group_end.pg = dead = _GroupWhoseShutdownWaitsForADeadPeer()
+    transport.close(abort=True)
+    assert dead.calls == ["abort"] and group_end.pg is None

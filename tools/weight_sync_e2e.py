@@ -93,9 +93,12 @@ def _phases(syncer) -> dict:
     out = {} if sender is None else {"pack_s": sender.stats.last_pack_s, "send_wait_s": sender.stats.last_wait_s,
                                      "sent_replayed": sender.stats.last_replayed}
     if syncer.link.handle is not None:
-        worker = syncer.link.handle.stats()[0]
+        worker, t = syncer.link.handle.stats()[0], syncer.link.handle.last_receive_t
         out.update(load_s=worker["last_load_s"], recv_wait_s=worker["last_wait_s"], reload_s=worker["last_reload_s"],
-                   loaded_replayed=worker["last_replayed"])
+                   loaded_replayed=worker["last_replayed"],
+                   # the engine RPC around the receive: thread start, reaching the worker, hearing back
+                   rpc_thread_s=t["sent"] - t["asked"], rpc_reach_s=worker["last_start_t"] - t["sent"],
+                   rpc_answer_s=t["answered"] - worker["last_end_t"], reset_prefix_s=t["reset"] - t["answered"])
     return out
 
 

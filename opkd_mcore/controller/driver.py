@@ -303,7 +303,8 @@ class RayController:
                                 timeout_s=2 * self.cfg.controller.sync_timeout_s)
         except (ActorLost, StageFailed) as err:
             logger.warning("controller: %s; rebuilding the weight-sync groups", err)
-            self._on_trainers("close_weight_sync")  # survivors blocked on the old group fail fast
+            # survivors blocked on the old group fail fast; the dead engine's end never closes
+            self._on_trainers("close_weight_sync", True)
             for e, actor in enumerate(self.groups.rollouts):
                 self.groups.wait_alive(actor, f"rollout engine {e}")
             self.groups.connect_weight_sync()

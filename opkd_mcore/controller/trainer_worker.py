@@ -114,7 +114,9 @@ class TrainerWorker:
 
         from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
 
-        self.close_weight_sync()  # a rebuilt group (after an engine restart) replaces the old one
+        # a rebuilt group replaces the old one after an engine died: leave it without waiting for
+        # that engine (a normal rebuild closed both ends together first, and there is none)
+        self.close_weight_sync(abort=True)
         ws, ctl = self.cfg.weight_sync, self.cfg.controller
         groups = SyncGroupsConfig(host=host or ray.util.get_node_ip_address(), base_port=0,
                                   num_receivers=num_receivers, timeout_s=ctl.sync_timeout_s,
@@ -143,9 +145,10 @@ class TrainerWorker:
                                   f"{type(err).__name__}: {err}") from err
         return time.perf_counter() - start
 
-    def close_weight_sync(self) -> None:
+    def close_weight_sync(self, abort: bool = False) -> None:
+        """Leave the weight-sync group; `abort` when an engine of it is gone (see `MegatronWeightSync.close`)."""
         if self.weight_sync is not None:
-            self.weight_sync.close()
+            self.weight_sync.close(abort)
             self.weight_sync = None
 
     # ---- training ----------------------------------------------------------------------------

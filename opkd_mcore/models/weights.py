@@ -216,59 +216,42 @@ def hf_weight_metadata(model_chunks) -> list[WeightMeta]:
 
 
 # --------------------------------------------------------------------------- export
-def _gather_tp(shard: torch.Tensor, expert: bool) -> list[torch.Tensor]:
+def _gather_flat(shard: torch.Tensor, expert: bool) -> torch.Tensor:
+    """`[size, *shard.shape]`: every (expert) TP rank's shard in one all-gather into one tensor."""
     _, size, group = _tp(expert)
     if size == 1:
-        return [shard]
-    shard = shard.contiguous()
-    parts = [torch.empty_like(shard) for _ in range(size)]
-    dist.all_gather(parts, shard, group=group)
-    return parts
-
-
-def _to_hf(lp: _LocalParam, layout: ModelLayout) -> dict[str, torch.Tensor]:
-    """Full HF tensors made from one Megatron parameter (collective over TP, or expert TP)."""
-    kind, names, shard = lp.rule.kind.removeprefix("expert_"), lp.hf_names, lp.param.detach()
-    if kind == "replicated":
-        return {names[0]: shard.clone()}
-    parts = _gather_tp(shard, lp.rule.is_expert)
-    if kind == "row":
-        return {names[0]: torch.cat(parts, dim=1)}
-    if kind == "vocab":
-        return {names[0]: torch.cat(parts)[:layout.vocab_size]}
-    if kind == "gate_up":
-        half = shard.shape[0] // 2
-        return {names[0]: torch.cat([p[:half] for p in parts]),
-                names[1]: torch.cat([p[half:] for p in parts])}
-    if kind == "qkv":
-        bridge = layout.bridge
-        d, groups = bridge.head_dim, bridge.num_query_groups
-        q_per_group = bridge.hf_config.num_attention_heads // groups
-        full = torch.cat(parts)
-        tail = full.shape[1:]
-        fused = full.reshape(groups, (q_per_group + 2) * d, *tail)
-        q, k, v = fused.split([q_per_group * d, d, d], dim=1)
-        return {names[0]: q.reshape(-1, *tail).contiguous(),
-                names[1]: k.reshape(-1, *tail).contiguous(),
-                names[2]: v.reshape(-1, *tail).contiguous()}
-    raise ValueError(f"unknown tensor rule kind {kind!r}")
+        return shard.unsqueeze(0)
+    # the concatenated form: gloo takes no other (torch >= 2.13 renames the call)
+    out = torch.empty((size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, shard.contiguous(), group=group)
+    return out.view(size, *shard.shape)
 
 
 def _views_to_hf(lp: _LocalParam, layout: ModelLayout) -> dict[str, torch.Tensor]:
-    """`_to_hf` where the tensor is not split (TP size 1): views of the parameter, no copy. q/k/v
-    come as [groups, rows, *tail], the HF tensor's rows in order (no 2-D view of them exists)."""
+    """The full HF tensors of one Megatron parameter (collective over TP, or expert TP), without
+    copies: views of the parameter (TP size 1) or of one all-gather of its shards, each in a shape
+    that refines the HF shape (a dimension split in two: the same elements in the same row-major
+    order), so a consumer copies each straight into place. Row-parallel: [rows, tp, cols / tp];
+    gate/up: [tp, rows / tp, cols]; q/k/v: [groups, rows, *tail]."""
     kind, names, w = lp.rule.kind.removeprefix("expert_"), lp.hf_names, lp.param.detach()
-    if kind in ("replicated", "row"):
+    if kind == "replicated":
         return {names[0]: w}
+    gathered = _gather_flat(w, lp.rule.is_expert)
+    size, tail = gathered.shape[0], w.shape[1:]
+    if kind == "row":
+        return {names[0]: w if size == 1 else gathered.movedim(0, 1)}
     if kind == "vocab":
-        return {names[0]: w[:layout.vocab_size]}
+        return {names[0]: gathered.view(-1, *tail)[:layout.vocab_size]}
     if kind == "gate_up":
-        half = w.shape[0] // 2
-        return {names[0]: w[:half], names[1]: w[half:]}
+        halves = gathered.view(size, 2, w.shape[0] // 2, *tail)
+        if size == 1:
+            return {names[0]: halves[0, 0], names[1]: halves[0, 1]}
+        return {names[0]: halves[:, 0], names[1]: halves[:, 1]}
     if kind == "qkv":
         d, groups = layout.bridge.head_dim, layout.bridge.num_query_groups
         q_per_group = layout.bridge.hf_config.num_attention_heads // groups
-        q, k, v = w.view(groups, (q_per_group + 2) * d, *w.shape[1:]).split([q_per_group * d, d, d], dim=1)
+        q, k, v = gathered.view(groups, (q_per_group + 2) * d, *tail).split([q_per_group * d, d, d], dim=1)
         return {names[0]: q, names[1]: k, names[2]: v}
     raise ValueError(f"unknown tensor rule kind {kind!r}")
 
@@ -297,10 +280,13 @@ def _iter_local(model_chunks, metadata, views: bool = False) -> Iterator[tuple[W
             if meta.hf_name not in producers:
                 raise RuntimeError(f"no local parameter produces {meta.hf_name!r} on PP stage "
                                    f"{layout.pp_rank}")
-            lp = producers[meta.hf_name]
-            unsplit = _tp(lp.rule.is_expert)[1] == 1
-            pending.update(_views_to_hf(lp, layout) if views and unsplit else _to_hf(lp, layout))
-        yield meta, pending.pop(meta.hf_name)
+            pending.update(_views_to_hf(producers[meta.hf_name], layout))
+        tensor = pending.pop(meta.hf_name)
+        if not views:  # a tensor of its own in the HF shape: one copy (the view's shape refines it)
+            out = torch.empty(meta.shape, dtype=tensor.dtype, device=tensor.device)
+            out.view(tensor.shape).copy_(tensor)
+            tensor = out
+        yield meta, tensor
 
 
 @torch.no_grad()
@@ -312,9 +298,10 @@ def iter_hf_weights(model_chunks, *, stages: str = "local",
     Collective: all TP ranks of a stage (and expert-TP ranks of an EP rank) iterate together; for
     "all", every rank. `select` ("local" only) keeps the tensors it returns True for: the same
     predicate on every rank of a TP / expert-TP group (weight sync splits the stream by sender).
-    `views` ("local" only): tensors that TP does not split come as views of the parameters instead
-    of copies, q/k/v as [groups, rows, ...] (see `_views_to_hf`), valid until the next optimizer
-    step: for a consumer that copies each one right away, as the weight-sync sender does.
+    `views` ("local" only): each tensor comes as a view of its parameter (TP size 1) or of one
+    all-gather of its shards, in a shape that refines the HF shape (see `_views_to_hf`), valid until
+    the next optimizer step: for a consumer that copies each one into place right away, as the
+    weight-sync sender does. Every rank of a TP group must pass the same `views`.
     """
     if stages not in ("local", "all"):
         raise ValueError(f"stages: expected 'local' or 'all', got {stages!r}")

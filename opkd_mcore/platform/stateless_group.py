@@ -174,10 +174,15 @@ def _vllm_stateless_group(host: str, port: int, rank: int, world_size: int, back
     return init_group(host, port, rank, world_size, backend, timeout=timeout, **kwargs)
 
 
-def destroy_stateless_group(pg: dist.ProcessGroup) -> None:
-    """Release a group made by `new_stateless_group` (idempotent enough for error paths)."""
+def destroy_stateless_group(pg: dist.ProcessGroup, abort: bool = False) -> None:
+    """Release a group made by `new_stateless_group` (idempotent enough for error paths).
+    `abort`: a member is gone; NCCL's orderly teardown (`shutdown`, ncclCommFinalize) waits for
+    every member, so this end aborts its communicators instead, which waits for nobody."""
     try:
-        pg.shutdown()
+        if abort and hasattr(pg, "abort"):
+            pg.abort()
+        else:
+            pg.shutdown()
     except (RuntimeError, AttributeError) as err:  # already torn down by a failed peer
-        logger.debug("stateless group shutdown: %s", err)
+        logger.debug("stateless group %s: %s", "abort" if abort else "shutdown", err)
     _STORES.pop(id(pg), None)

@@ -65,34 +65,82 @@ def check_sequences(sequences: Sequence[Sequence[int]], name: str = "sequences")
 
 def topk_from_ranked(rows: Sequence[Sequence[tuple[int, float, int]]], k: int, *,
                      request: str, vocab_size: int | None = None) -> TopKTeacher:
-    """Build a `TopKTeacher` from per-position `(token_id, logprob, rank)` entries (rank 1 = best).
+    """`topk_from_flat` over per-position `(token_id, logprob, rank)` entries (rank 1 = best)."""
+    entries = [e for row in rows for e in row]
+    return topk_from_flat([int(e[0]) for e in entries], [float(e[1]) for e in entries],
+                          [int(e[2]) for e in entries], [len(row) for row in rows], k,
+                          request=request, vocab_size=vocab_size)
 
-    Entries ranked beyond k (vLLM adds the actual next token with its own rank) are dropped; rows
-    are ordered by rank and padded with id -1 / logprob -inf when the vocabulary is smaller than k.
-    Raises MalformedTeacherOutputError naming `request` and the position on NaN, duplicate or
-    out-of-range ids, or a row with fewer than min(k, vocab) entries.
+
+def topk_from_flat(ids: Sequence[int] | torch.Tensor, logprobs: Sequence[float] | torch.Tensor,
+                   ranks: Sequence[int] | torch.Tensor, counts: Sequence[int], k: int, *, request: str,
+                   vocab_size: int | None = None) -> TopKTeacher:
+    """Build a `TopKTeacher` from flat `(token_id, logprob, rank)` entries, `counts[t]` of them for
+    position t in order (as vLLM's flat logprobs hold them): one pass of tensor ops, no Python per
+    entry.
+
+    Entries ranked beyond k (vLLM adds the actual next token with its own rank) are dropped, and an
+    entry repeated exactly (same id and logprob: vLLM lists that token again among the top-k) counts
+    once, as its last copy. Rows are ordered by rank, then logprob, and padded with id -1 / logprob
+    -inf when the vocabulary is smaller than k. Raises MalformedTeacherOutputError naming `request`
+    and the first bad position on NaN, duplicate or out-of-range ids, or a row with fewer than
+    min(k, vocab) entries.
     """
-    want = min(k, vocab_size) if vocab_size else k
-    ids = torch.full((len(rows), k), PAD_ID, dtype=torch.int64)
-    logprobs = torch.full((len(rows), k), -math.inf, dtype=torch.float32)
-    for t, entries in enumerate(rows):
-        top = sorted((e for e in entries if e[2] <= k), key=lambda e: (e[2], -e[1]))[:k]
-        where = f"{request}, position {t}"
-        if len(top) < want:
-            raise MalformedTeacherOutputError(
-                f"{where}: expected {want} top-k entries, got {len(top)}")
-        row_ids = [int(e[0]) for e in top]
-        if len(set(row_ids)) != len(row_ids):
-            raise MalformedTeacherOutputError(f"{where}: duplicate token ids {row_ids}")
-        if min(row_ids) < 0 or (vocab_size and max(row_ids) >= vocab_size):
-            raise MalformedTeacherOutputError(
-                f"{where}: token ids outside [0, {vocab_size or 'V'}): {row_ids}")
-        values = [float(e[1]) for e in top]
-        if any(math.isnan(v) or v > 1e-4 for v in values):
-            raise MalformedTeacherOutputError(f"{where}: logprobs must be <= 0 and not NaN, got {values}")
-        ids[t, :len(top)] = torch.tensor(row_ids, dtype=torch.int64)
-        logprobs[t, :len(top)] = torch.tensor(values, dtype=torch.float32)
-    return TopKTeacher(ids=ids, logprobs=logprobs)
+    counts_t = torch.as_tensor(counts, dtype=torch.int64)
+    rows, width = len(counts_t), int(counts_t.max()) if len(counts_t) else 0
+    row_of = torch.repeat_interleave(torch.arange(rows), counts_t)
+    col_of = torch.arange(len(row_of)) - torch.repeat_interleave(counts_t.cumsum(0) - counts_t, counts_t)
+    grid_ids = torch.full((rows, width), PAD_ID, dtype=torch.int64)
+    grid_lp = torch.full((rows, width), -math.inf, dtype=torch.float64)
+    grid_rank = torch.full((rows, width), math.inf, dtype=torch.float64)  # inf: not an entry
+    grid_ids[row_of, col_of] = torch.as_tensor(ids, dtype=torch.int64)
+    grid_lp[row_of, col_of] = torch.as_tensor(logprobs, dtype=torch.float64)
+    grid_rank[row_of, col_of] = torch.as_tensor(ranks, dtype=torch.float64)
+    grid_rank[(grid_rank > k) | _earlier_repeats(grid_ids, grid_lp)] = math.inf
+    # by rank, ties by logprob (descending): two stable sorts, the minor key first
+    order = torch.argsort(-grid_lp, dim=1, stable=True)
+    order = order.gather(1, torch.argsort(grid_rank.gather(1, order), dim=1, stable=True))[:, :k]
+    taken = grid_rank.gather(1, order).isfinite()
+    top_ids = torch.where(taken, grid_ids.gather(1, order), PAD_ID)
+    top_lp = torch.where(taken, grid_lp.gather(1, order), -math.inf)
+    _check_topk_rows(top_ids, top_lp, taken, min(k, vocab_size) if vocab_size else k, vocab_size, request)
+    ids_out = torch.full((rows, k), PAD_ID, dtype=torch.int64)
+    lp_out = torch.full((rows, k), -math.inf, dtype=torch.float32)
+    ids_out[:, :top_ids.shape[1]], lp_out[:, :top_lp.shape[1]] = top_ids, top_lp.float()
+    return TopKTeacher(ids=ids_out, logprobs=lp_out)
+
+
+def _earlier_repeats(ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """True where the same (id, logprob) comes again later in the row."""
+    by_id = torch.argsort(ids, dim=1, stable=True)  # equal ids keep their order
+    sid, slp = ids.gather(1, by_id), logprobs.gather(1, by_id)
+    repeated = (sid[:, :-1] == sid[:, 1:]) & (slp[:, :-1] == slp[:, 1:]) & (sid[:, :-1] != PAD_ID)
+    out = torch.zeros_like(ids, dtype=torch.bool)
+    out.scatter_(1, by_id[:, :-1], repeated)
+    return out
+
+
+def _check_topk_rows(ids: torch.Tensor, logprobs: torch.Tensor, taken: torch.Tensor, want: int,
+                     vocab_size: int | None, request: str) -> None:
+    """The checks of `topk_from_flat`, for every row at once; the error names the first bad row."""
+    count = taken.sum(1)
+    sorted_ids = torch.where(taken, ids, torch.iinfo(torch.int64).max).sort(dim=1).values
+    duplicate = ((sorted_ids[:, 1:] == sorted_ids[:, :-1]) & taken[:, 1:]).any(1)
+    out_of_range = ((ids < 0) | (ids >= vocab_size if vocab_size else False)) & taken
+    bad_value = (logprobs.isnan() | (logprobs > 1e-4)) & taken
+    bad = (count < want) | duplicate | out_of_range.any(1) | bad_value.any(1)
+    if not bad.any():
+        return
+    t = int(bad.nonzero()[0])
+    where, row_ids = f"{request}, position {t}", ids[t, taken[t]].tolist()
+    if count[t] < want:
+        raise MalformedTeacherOutputError(f"{where}: expected {want} top-k entries, got {int(count[t])}")
+    if duplicate[t]:
+        raise MalformedTeacherOutputError(f"{where}: duplicate token ids {row_ids}")
+    if out_of_range[t].any():
+        raise MalformedTeacherOutputError(f"{where}: token ids outside [0, {vocab_size or 'V'}): {row_ids}")
+    raise MalformedTeacherOutputError(
+        f"{where}: logprobs must be <= 0 and not NaN, got {logprobs[t, taken[t]].tolist()}")
 
 
 def check_outputs(sequences: Sequence[Sequence[int]], outputs: Sequence[TeacherOutput],

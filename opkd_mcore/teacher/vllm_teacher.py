@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opkd_mcore.losses.teacher_outputs import HiddenTeacher, TopKTeacher
-from opkd_mcore.teacher.base import Teacher, check_outputs, check_sequences, topk_from_ranked
+from opkd_mcore.teacher.base import Teacher, check_outputs, check_sequences, topk_from_flat
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +126,11 @@ class VllmTeacher(Teacher):
         if self.cfg.output == "hidden":
             return self._score_hidden(seqs)
         request_k = self.vocab_size if self._full_vocab else self.cfg.k
-        # detokenize=False: no decoded string per top-k entry, which dominates the cost at large k
+        # detokenize=False: no decoded string per top-k entry, which dominates the cost at large k;
+        # flat_logprobs: a few flat lists per sequence instead of a dict of objects per position
+        # (128 x 300 tokens at k=64 on CPU: vLLM's part 3.8-5.9 s -> 0.6 s)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=request_k,
-                                detokenize=False)
+                                detokenize=False, flat_logprobs=True)
         outputs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], params,
                                     use_tqdm=self.cfg.use_tqdm)
         scored = [self._rows(s, out.prompt_logprobs, i) for i, (s, out) in enumerate(zip(seqs, outputs))]
@@ -150,19 +152,33 @@ class VllmTeacher(Teacher):
         if prompt_logprobs is None or len(prompt_logprobs) != len(seq):
             got = None if prompt_logprobs is None else len(prompt_logprobs)
             raise TypeError(f"{request}: expected {len(seq)} prompt-logprob positions, got {got}")
-        positions = prompt_logprobs[1:]  # position 0 has nothing before it to score it
+        ids, logprobs, ranks, counts = _flat_entries(prompt_logprobs)
         if self._full_vocab:
-            return self._tempered_rows(positions, request)
-        rows = [[(tok, lp.logprob, lp.rank) for tok, lp in pos.items()] for pos in positions]
-        return topk_from_ranked(rows, self.cfg.k, request=request, vocab_size=self.vocab_size)
+            return self._tempered_rows(ids, logprobs, counts, request)
+        return topk_from_flat(ids, logprobs, ranks, counts, self.cfg.k, request=request,
+                              vocab_size=self.vocab_size)
 
-    def _tempered_rows(self, positions, request: str) -> TopKTeacher:
-        full = torch.full((len(positions), self.vocab_size), float("-inf"), dtype=torch.float64)
-        for t, pos in enumerate(positions):
-            ids = torch.tensor(list(pos.keys()), dtype=torch.int64)
-            full[t, ids] = torch.tensor([lp.logprob for lp in pos.values()], dtype=torch.float64)
+    def _tempered_rows(self, ids: list[int], logprobs: list[float], counts: list[int],
+                       request: str) -> TopKTeacher:
+        full = torch.full((len(counts), self.vocab_size), float("-inf"), dtype=torch.float64)
+        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+        full[rows, torch.tensor(ids, dtype=torch.int64)] = torch.tensor(logprobs, dtype=torch.float64)
         tempered = torch.log_softmax(full / self.cfg.temperature, dim=-1)
-        values, ids = tempered.topk(min(self.cfg.k, self.vocab_size), dim=-1)
-        rows = [[(int(i), float(v), r + 1) for r, (i, v) in enumerate(zip(ri, rv))]
-                for ri, rv in zip(ids.tolist(), values.tolist())]
-        return topk_from_ranked(rows, self.cfg.k, request=request, vocab_size=self.vocab_size)
+        width = min(self.cfg.k, self.vocab_size)
+        values, top = tempered.topk(width, dim=-1)
+        return topk_from_flat(top.flatten(), values.flatten(), torch.arange(1, width + 1).repeat(len(counts)),
+                              [width] * len(counts), self.cfg.k, request=request, vocab_size=self.vocab_size)
+
+
+def _flat_entries(prompt_logprobs) -> tuple[list[int], list[float], list[int], list[int]]:
+    """(ids, logprobs, ranks, entries per position) of positions 1.. of vLLM's flat prompt
+    logprobs (position 0 has nothing before it to score it)."""
+    starts, ends = prompt_logprobs.start_indices[1:], prompt_logprobs.end_indices[1:]
+    if not starts:
+        return [], [], [], []
+    lo, hi = starts[0], ends[-1]
+    counts = [e - s for s, e in zip(starts, ends)]
+    if sum(counts) != hi - lo:
+        raise TypeError(f"flat prompt logprobs: positions are not contiguous ({lo}..{hi}, {sum(counts)} entries)")
+    return (prompt_logprobs.token_ids[lo:hi], prompt_logprobs.logprobs[lo:hi], prompt_logprobs.ranks[lo:hi],
+            counts)

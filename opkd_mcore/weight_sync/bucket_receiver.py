@@ -39,6 +39,10 @@ class ReceiverStats:
     last_wait_s: float = 0.0
     last_version: int = -1
     last_replayed: int = 0  # buckets of the last sync loaded by replaying recorded copies
+    # `time.monotonic()` (one clock for every process of a host) when the last receive began and
+    # ended: against the caller's clock, what reaching the engine and hearing back cost
+    last_start_t: float = 0.0
+    last_end_t: float = 0.0
     buffer_ptrs: list[int] = field(default_factory=list)
 
 
@@ -94,6 +98,7 @@ class BucketReceiver:
         if not self.transports:
             raise RuntimeError("receiver: call join() before receive()")
         start = time.perf_counter()
+        self.stats.last_start_t = time.monotonic()
         self.stats.last_load_s = self.stats.last_wait_s = 0.0
         self.stats.last_replayed = 0
         versions = set()
@@ -104,6 +109,7 @@ class BucketReceiver:
         self.stats.syncs += 1
         self.stats.last_version = versions.pop()
         self.stats.last_sync_s = time.perf_counter() - start
+        self.stats.last_end_t = time.monotonic()
         return self.stats.last_version
 
     def _receive_stage(self, transport: WeightTransport, control: ControlChannel, load_fn: LoadFn,

@@ -132,7 +132,7 @@ class ColocatedIpcTransport(WeightTransport):
     def exchange_status(self, message: str) -> list[str]:
         return self.control.exchange_status(message)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         self._shared.clear()
         self._sent.clear()
-        self.control.close()
+        self.control.close(abort)

@@ -124,10 +124,10 @@ class StatelessGroupTransport(WeightTransport):
         rows = table.cpu().tolist()
         return [bytes(v for v in row if v).decode(errors="replace") for row in rows]
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
         if self.pg is not None:
-            destroy_stateless_group(self.pg)
+            destroy_stateless_group(self.pg, abort=abort)
             self.pg = None

@@ -173,7 +173,8 @@ class MegatronWeightSync:
             def select(meta, source=source):
                 return source_of(meta, self.ep) == source and _my_parts(meta, stage)
 
-            stream = iter_hf_weights(self.model_chunks, stages="local", select=select, views=alone)
+            # views: each tensor is copied once, into the bucket (every rank of a TP group gathers alike)
+            stream = iter_hf_weights(self.model_chunks, stages="local", select=select, views=True)
             try:
                 if source == self.source and error is None:
                     self.sender.sync(stream, version)
@@ -186,8 +187,8 @@ class MegatronWeightSync:
         return self.sender.stats if self.sender is not None else None
 
     def _exports_alone(self) -> bool:
-        """True where this rank's export needs no peer (TP and expert TP of size 1): then it hands
-        out views of the parameters and the sender may replay its packs without walking it."""
+        """True where this rank's export needs no peer (TP and expert TP of size 1): then its views
+        are of the parameters themselves and the sender may replay its packs without walking it."""
         from megatron.core import parallel_state as ps
 
         return self.sender is not None and ps.get_tensor_model_parallel_world_size() == 1 and \
@@ -201,9 +202,10 @@ class MegatronWeightSync:
         if self.sender.replay is None or self.sender.replay.model != storages:
             self.sender.replay = BucketReplay(storages, into_model=False)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """`abort`: an engine of the group died; leave without waiting for it."""
         if self.sender is not None:
-            self.sender.transport.close()
+            self.sender.transport.close(abort)
 
 
 def agree_stage_ports(stage: int, port: int, num_stages: int, group=None) -> list[int]:

@@ -7,7 +7,10 @@ reads the trainer's tensors: a failed sync leaves the trainer's weights untouche
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -145,12 +148,18 @@ class WeightSender:
             missing.discard(name)
 
 
+def refines(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """True when `shape` is `target` with dimensions split (each of `target`'s is a product of
+    adjacent ones of `shape`): the same elements in the same row-major order, so the tensor copies
+    into a `target`-shaped buffer through `.view(shape)`."""
+    return set(itertools.accumulate(target, operator.mul)) <= set(itertools.accumulate(shape, operator.mul)) \
+        and math.prod(shape) == math.prod(target)
+
+
 def _check_tensor(slot: TensorSlot, tensor: torch.Tensor) -> None:
-    """The plan's shape, or its first dimension split in two ([groups, rows, ...]: the same
-    row-major bytes, as a view export hands out q/k/v)."""
+    """The plan's shape, or one that refines it (as a view export hands out q/k/v, gate/up and
+    gathered row-parallel weights)."""
     shape = tuple(tensor.shape)
-    grouped = len(shape) == len(slot.shape) + 1 >= 2 and shape[2:] == slot.shape[1:] and \
-        shape[0] * shape[1] == slot.shape[0]
-    if (shape != slot.shape and not grouped) or tensor.dtype != slot.dtype:
+    if not refines(shape, tuple(slot.shape)) or tensor.dtype != slot.dtype:
         raise ValueError(f"named_tensors: tensor {slot.name!r} has shape {shape} dtype "
                          f"{tensor.dtype}, the plan says {slot.describe()}")

@@ -77,7 +77,8 @@ class WeightTransport(ABC):
         """Every member contributes a short text (empty = fine); all get every member's text."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self, abort: bool = False) -> None:
+        """Leave the group. `abort`: another member is gone (an engine died); do not wait for it."""
 
 
 # name -> (module, class). The only place transports are registered.

@@ -9,6 +9,7 @@ un-awaited).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from dataclasses import asdict
 from typing import Any, Callable
@@ -47,9 +48,13 @@ def await_all(futures: dict[str, cf.Future], timeout_s: float) -> dict[str, Any]
 class VllmSyncHandle:
     """Calls the `VllmWeightReceiver` methods of every worker of one `vllm.LLM`, without blocking."""
 
+    SEND_WAIT_S = 1.0  # the longest `receive_async` waits for its RPC thread to run
+
     def __init__(self, llm):
         self.llm = llm
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="opkd-vllm-rpc")
+        # `time.monotonic()` of the last receive: asked for, RPC sent, RPC answered, prefix cache reset
+        self.last_receive_t: dict[str, float] = {}
 
     def join_async(self, groups: list[TransportConfig], *, rank_offset: int = 1,
                    check_plan: bool = True, transport: str = "group") -> cf.Future:
@@ -61,12 +66,23 @@ class VllmSyncHandle:
 
     def receive_async(self) -> cf.Future:
         """Every worker receives one sync; the future holds the loaded version per worker."""
-        return self._pool.submit(self._receive)
+        self.last_receive_t = {"asked": time.monotonic()}
+        sending = threading.Event()
+        future = self._pool.submit(self._receive, sending)
+        # the caller's sender loop starts only once the RPC thread runs: started the other way
+        # round, the loop's many small tensor ops kept the GIL from that thread, and the engine
+        # joined late (on CPU an RPC took 30 ms under such a loop, 1.2 ms with this wait, 0.4 idle)
+        sending.wait(self.SEND_WAIT_S)
+        return future
 
-    def _receive(self) -> list[int]:
+    def _receive(self, sending: threading.Event) -> list[int]:
+        self.last_receive_t["sent"] = time.monotonic()
+        sending.set()
         versions = self.llm.collective_rpc("opkd_receive_weights")
+        self.last_receive_t["answered"] = time.monotonic()
         # cached prefixes hold KV computed with the old weights
         self.llm.reset_prefix_cache()
+        self.last_receive_t["reset"] = time.monotonic()
         return versions
 
     def stats(self) -> list[dict]:

@@ -6,7 +6,8 @@
 #                                         # (not the Ray-cluster tests: CPU bundles; `steps` is Ray on GPUs)
 #   bash tools/gpu/lane.sh tests1         # the same in three parts, tests1 / tests2 / tests3, each for
 #                                         # one 10-minute device call (the whole took ~15 min on an H100)
-#   TESTS_DEADLINE=540 bash tools/gpu/lane.sh tests_pair   # what one GPU skips (2 GPUs; >7 minutes)
+#   TESTS_DEADLINE=540 bash tools/gpu/lane.sh tests_pair   # what one GPU skips (2 GPUs; >9 minutes),
+#                                         # or tests_pair1 then tests_pair2, one call each
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -66,6 +67,11 @@ case "${1:-}" in
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py tests/test_models_moe_e2e.py \
         tests/test_train_resume.py tests/test_train_integration.py tests/test_models_moe_train.py \
         -k "megatron_student or moe or resume or tp2 or pp2 or nccl" ;;
+  tests_pair1)  # tests_pair in two calls: the weight-sync layouts and EP=2 (~330 s on two H200s) ...
+    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py -k "megatron_student or ep2" ;;
+  tests_pair2)  # ... then training at EP=2, TP/PP=2 and the resume (more than the rest of one call)
+    bash "$0" tests tests/test_models_moe_e2e.py tests/test_train_resume.py tests/test_train_integration.py \
+        tests/test_models_moe_train.py -k "moe or resume or tp2 or pp2 or nccl" ;;
   tests3)
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py tests/test_train_resume.py \
         tests/test_weight_sync_moe.py ;;
@@ -153,6 +159,6 @@ case "${1:-}" in
     tail -6 "$OUT/bench_step.log"
     # the tool keeps actors' output off the driver: a failed start's root cause is in their logs
     [ -s "$OUT/bench_step.json" ] || (cd /tmp/ray/session_latest/logs && tail -n 60 worker-*.err > "$OUT/ray_workers.err")
-    pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|ray::' ;;  # a timed-out run leaves Ray holding GPUs
+    pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|[r]ay::' ;;  # a timed-out run leaves Ray holding GPUs
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
