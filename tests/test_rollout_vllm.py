@@ -196,3 +196,22 @@ def test_bad_input_names_the_argument(rollout, prompts, sampling, match):
 def test_config_rejects_unknown_logprobs_mode():
     with pytest.raises(ValueError, match="logprobs_mode"):
         RolloutConfig(logprobs_mode="logits").validate()
+
+
+def test_logprobs_not_of_the_sampled_tokens_are_refused():
+    """vLLM's flat per-token logprobs must start each step with the sampled token; anything else
+    would train on another token's logprob."""
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from opkd_mcore.rollout.vllm_rollout import VllmRollout
+
+    steps = FlatLogprobs()
+    steps.append({7: Logprob(logprob=-0.5, rank=1)})
+    steps.append({9: Logprob(logprob=-1.5, rank=2)})
+    good = SimpleNamespace(token_ids=[7, 9], logprobs=steps, finish_reason="length")
+    assert VllmRollout._to_sample([1], good, 3, 0, {}).response_logprobs == [-0.5, -1.5]
+    with pytest.raises(RuntimeError, match="prompt 4.*not of its sampled tokens"):
+        VllmRollout._to_sample([1], SimpleNamespace(token_ids=[7, 8], logprobs=steps, finish_reason="length"),
+                               3, 4, {})

@@ -301,7 +301,7 @@ def iter_hf_weights(model_chunks, *, stages: str = "local",
     `views` ("local" only): each tensor comes as a view of its parameter (TP size 1) or of one
     all-gather of its shards, in a shape that refines the HF shape (see `_views_to_hf`), valid until
     the next optimizer step: for a consumer that copies each one into place right away, as the
-    weight-sync sender does. Every rank of a TP group must pass the same `views`.
+    weight-sync sender does. Either way a TP group runs the same collectives.
     """
     if stages not in ("local", "all"):
         raise ValueError(f"stages: expected 'local' or 'all', got {stages!r}")

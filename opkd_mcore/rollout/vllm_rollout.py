@@ -41,6 +41,7 @@ def to_sampling_params(sampling: SamplingConfig, *, logprobs: int = 0):
         n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
         top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
         stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=logprobs,
+        flat_logprobs=True,  # flat lists per completion, not a dict of objects per token
     )
 
 
@@ -236,9 +237,14 @@ class VllmRollout:
     @staticmethod
     def _to_sample(prompt_ids, completion, version, group_id, data) -> Sample:
         ids = [int(t) for t in completion.token_ids]
-        if completion.logprobs is None or len(completion.logprobs) != len(ids):
+        steps = completion.logprobs
+        if steps is None or len(steps) != len(ids):
             raise RuntimeError(f"generate: vLLM returned no per-token logprobs for prompt {group_id}")
-        logprobs = [float(step[tok].logprob) for tok, step in zip(ids, completion.logprobs)]
+        # each step's entries begin with the sampled token
+        firsts = steps.start_indices
+        if [steps.token_ids[i] for i in firsts] != ids:
+            raise RuntimeError(f"generate: vLLM's logprobs of prompt {group_id} are not of its sampled tokens")
+        logprobs = [float(steps.logprobs[i]) for i in firsts]
         return Sample(prompt_ids=list(prompt_ids), response_ids=ids, response_logprobs=logprobs,
                       finish_reason=str(completion.finish_reason), weight_version=version,
                       group_id=group_id, data=dict(data))

@@ -157,7 +157,8 @@ class BucketReceiver:
             out.append((s.name, view.clone() if bucket.splits_group else view))
         return out
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Leave every stage group; `abort` when a member is gone (see `WeightTransport.close`)."""
         for t in self.transports:
-            t.close()
+            t.close(abort)
         self.transports, self.controls = [], []

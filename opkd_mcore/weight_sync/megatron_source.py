@@ -173,7 +173,7 @@ class MegatronWeightSync:
             def select(meta, source=source):
                 return source_of(meta, self.ep) == source and _my_parts(meta, stage)
 
-            # views: each tensor is copied once, into the bucket (every rank of a TP group gathers alike)
+            # views: each tensor is copied once, into the bucket
             stream = iter_hf_weights(self.model_chunks, stages="local", select=select, views=True)
             try:
                 if source == self.source and error is None:

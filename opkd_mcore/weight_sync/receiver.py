@@ -162,7 +162,9 @@ class VllmWeightReceiver:
                               transport: str = "group") -> int:
         """Join one weight-sync group per trainer PP stage; returns this worker's group rank."""
         if getattr(self, "_opkd_receiver", None) is not None:
-            self._opkd_receiver.close()
+            # still held: its trainer rebuilt the groups after an engine died (a planned rebuild
+            # closes both ends first), so nobody closes the other end with this one
+            self._opkd_receiver.close(abort=True)
         expected = None
         if check_plan:
             expected = expected_hf_weights(self.model_config.hf_config, self.model_config.dtype)

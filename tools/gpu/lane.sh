@@ -16,6 +16,7 @@
 #   bash tools/gpu/lane.sh demo           # opkd demo --device cuda
 #   bash tools/gpu/lane.sh e2e qwen3-8b tp1-disagg   # weight sync Megatron -> vLLM vs raw (2 GPUs);
 #                                         # BUCKET_MB=256 for other buckets (default 1024)
+#   bash tools/gpu/lane.sh e2e_all        # 1.7B and 8B tp1-disagg, 8B tp2-coloc, one after the other
 #   bash tools/gpu/lane.sh loss           # the loss inside a training step: time, share, memory
 #   bash tools/gpu/lane.sh lm_head        # fused LM head + KD: GPU tests, then the benchmark
 #   bash tools/gpu/lane.sh lm_head2       # the LM-head benchmark at TP=2 (2 GPUs)
@@ -82,6 +83,10 @@ case "${1:-}" in
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
         --bucket-mb "$b" --iters 5 --json "$log.json" > "$log.log" 2>&1
     grep -A3 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log" ;;
+  e2e_all)  # issue 12's three end-to-end figures in one call (~6 minutes on two H200s, models made first)
+    for run in "qwen3-1.7b tp1-disagg" "qwen3-8b tp1-disagg" "qwen3-8b tp2-coloc"; do
+      timeout 280 bash "$0" e2e $run
+    done ;;
   models)
     python3 tools/make_model.py --shape qwen3-0.6b --out /tmp/models/qwen3-0.6b --seed 1 --device cuda
     python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 --device cuda ;;
