@@ -98,7 +98,8 @@ def _phases(syncer) -> dict:
                    loaded_replayed=worker["last_replayed"],
                    # the engine RPC around the receive: thread start, reaching the worker, hearing back
                    rpc_thread_s=t["sent"] - t["asked"], rpc_reach_s=worker["last_start_t"] - t["sent"],
-                   rpc_answer_s=t["answered"] - worker["last_end_t"], reset_prefix_s=t["reset"] - t["answered"])
+                   rpc_answer_s=t["answered"] - worker["last_end_t"], reset_prefix_s=t["reset"] - t["answered"],
+                   stamp_s=syncer.last_stamp_s)
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -175,6 +176,7 @@ class WeightSyncer:
                                       bucket_bytes=cfg.weight_sync.bucket_mb << 20,
                                       transport=colocated_transport(cfg.weight_sync.transport, cfg.run.device))
         self.rollout = rollout
+        self.last_stamp_s = 0.0  # host seconds of the last sync's version stamp in the engine
         self.link = EngineWeightSync(MegatronWeightSync(chunks, groups_cfg),
                                      VllmSyncHandle(rollout.llm) if rollout is not None else None)
         self.link.connect()
@@ -186,7 +188,9 @@ class WeightSyncer:
         self.rollout.pause()
         try:
             self.link.sync(version)
-            self.rollout.set_weight_version(version)
+            start = time.perf_counter()
+            self.rollout.set_weight_version(version)  # vLLM's own stamp: one more engine RPC
+            self.last_stamp_s = time.perf_counter() - start
         finally:
             self.rollout.resume()
 
