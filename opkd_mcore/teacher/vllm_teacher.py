@@ -152,7 +152,7 @@ class VllmTeacher(Teacher):
         if prompt_logprobs is None or len(prompt_logprobs) != len(seq):
             got = None if prompt_logprobs is None else len(prompt_logprobs)
             raise TypeError(f"{request}: expected {len(seq)} prompt-logprob positions, got {got}")
-        ids, logprobs, ranks, counts = _flat_entries(prompt_logprobs)
+        ids, logprobs, ranks, counts = _flat_entries(prompt_logprobs, request)
         if self._full_vocab:
             return self._tempered_rows(ids, logprobs, counts, request)
         return topk_from_flat(ids, logprobs, ranks, counts, self.cfg.k, request=request,
@@ -170,7 +170,7 @@ class VllmTeacher(Teacher):
                               [width] * len(counts), self.cfg.k, request=request, vocab_size=self.vocab_size)
 
 
-def _flat_entries(prompt_logprobs) -> tuple[list[int], list[float], list[int], list[int]]:
+def _flat_entries(prompt_logprobs, request: str) -> tuple[list[int], list[float], list[int], list[int]]:
     """(ids, logprobs, ranks, entries per position) of positions 1.. of vLLM's flat prompt
     logprobs (position 0 has nothing before it to score it)."""
     starts, ends = prompt_logprobs.start_indices[1:], prompt_logprobs.end_indices[1:]
@@ -179,6 +179,6 @@ def _flat_entries(prompt_logprobs) -> tuple[list[int], list[float], list[int], l
     lo, hi = starts[0], ends[-1]
     counts = [e - s for s, e in zip(starts, ends)]
     if sum(counts) != hi - lo:
-        raise TypeError(f"flat prompt logprobs: positions are not contiguous ({lo}..{hi}, {sum(counts)} entries)")
+        raise TypeError(f"{request}: flat prompt logprobs not contiguous ({sum(counts)} entries in {lo}..{hi})")
     return (prompt_logprobs.token_ids[lo:hi], prompt_logprobs.logprobs[lo:hi], prompt_logprobs.ranks[lo:hi],
             counts)
