@@ -152,7 +152,7 @@ def test_bucket_replay_runs_the_loader_for_impure_buckets_every_time():
         param.copy_(named[0][1] + 1)
 
     views = lambda: [("w", buf.view(torch.float32).view(4, 3))]  # noqa: E731
-    assert [replay.load(("d", 0, 0), buf, views, load) for _ in range(3)] == [False, False, False]
+    assert [replay.run(("d", 0, 0), buf, lambda: load(views())) for _ in range(3)] == [False, False, False]
     assert len(calls) == 3 and torch.equal(param, torch.full((4, 3), 2.0))
 
 
@@ -247,7 +247,7 @@ def test_a_new_plan_drops_the_old_plans_records():
 
     for digest, buf in (("plan-a", old_buf), ("plan-a", old_buf), ("plan-b", new_buf)):
         views = lambda buf=buf: [("w", buf.view(torch.float32).view(4, 3))]  # noqa: E731
-        replay.load((digest, 0, buf.data_ptr()), buf, views, load_from(buf))
+        replay.run((digest, 0, buf.data_ptr()), buf, lambda: load_from(buf)(views()))
     assert list(replay.records) == [("plan-b", 0, new_buf.data_ptr())]
     assert torch.equal(param, torch.full((4, 3), 2.0))
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from opkd_mcore.weight_sync.copy_replay import BucketReplay
+from opkd_mcore.weight_sync.copy_replay import BucketReplay, replay_key
 from opkd_mcore.weight_sync.plan import Bucket, BucketPlan, PlanMismatchError
 from opkd_mcore.weight_sync.protocol import TRAILER_BYTES, ControlChannel, SyncHeader, check_trailer
 from opkd_mcore.weight_sync.transport import TransportConfig, WeightTransport, make_transport
@@ -132,12 +132,12 @@ class BucketReceiver:
             # checked after posting the next receive: the check waits for the bytes on the host
             check_trailer(buf, bucket.nbytes, header.version, bucket.index, plan.digest())
             t1 = time.perf_counter()
+            load = lambda: load_fn(self.views(plan, bucket, buf))  # noqa: E731  (called at once)
             if replay is None:
-                load_fn(self.views(plan, bucket, buf))
+                load()
             else:
-                key = (plan.digest(), bucket.index, buf.data_ptr())
-                views = lambda: self.views(plan, bucket, buf)  # noqa: E731  (called at once)
-                self.stats.last_replayed += replay.load(key, buf, views, load_fn)
+                key = replay_key(plan.digest(), bucket.index, buf)
+                self.stats.last_replayed += replay.run(key, buf, load)
             self.stats.last_wait_s += t1 - t0
             self.stats.last_load_s += time.perf_counter() - t1
             self.stats.bytes_received += bucket.nbytes

@@ -127,9 +127,22 @@ class CopyRecorder(TorchDispatchMode):
         self.record.add_copy(dst, src)
 
 
-def model_storages(model: torch.nn.Module) -> set[int]:
-    """Storage pointers of every parameter and buffer: the tensors a load may write."""
-    return {storage_ptr(t) for t in (*model.parameters(), *model.buffers()) if t.numel() > 0}
+def model_storages(*modules: torch.nn.Module) -> set[int]:
+    """Storage pointers of every parameter and buffer: the tensors a load may write (or a pack read)."""
+    return {storage_ptr(t) for m in modules for t in (*m.parameters(), *m.buffers()) if t.numel() > 0}
+
+
+def replay_key(digest: str, bucket: int, buf: torch.Tensor) -> tuple:
+    """What a record is kept under: the plan, the bucket, and the buffer it was made with."""
+    return digest, bucket, buf.data_ptr()
+
+
+def replay_over(current: BucketReplay | None, storages: set[int], into_model: bool = True) -> BucketReplay:
+    """`current` while the model's tensors are where its records point, else a fresh replay (a reload,
+    a wake-up or a checkpoint load that reallocated them)."""
+    if current is not None and current.model == storages:
+        return current
+    return BucketReplay(storages, into_model)
 
 
 class BucketReplay:
@@ -145,11 +158,6 @@ class BucketReplay:
     def replayable(self, key: tuple) -> bool:
         record = self.records.get(key)
         return record is not None and record.impure is None
-
-    def load(self, key: tuple, buf: torch.Tensor, views, load_fn) -> bool:
-        """A receiver's load of one bucket held in `buf`; `views()` makes the loader's (name, tensor)
-        list. True when the bucket was replayed."""
-        return self.run(key, buf, lambda: load_fn(views()))
 
     def run(self, key: tuple, buf: torch.Tensor, work, may_replay: bool = True) -> bool:
         """Replay `key`'s record (if `may_replay`), or call `work()`, recording it the first time.

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from opkd_mcore.platform import current_device
 
-from opkd_mcore.weight_sync.copy_replay import BucketReplay
+from opkd_mcore.weight_sync.copy_replay import model_storages, replay_over
 from opkd_mcore.weight_sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from opkd_mcore.weight_sync.sender import SenderStats, WeightSender
 from opkd_mcore.weight_sync.transport import TransportConfig, make_transport
@@ -195,12 +195,10 @@ class MegatronWeightSync:
             ps.get_expert_tensor_parallel_world_size() == 1
 
     def _arm_replay(self) -> None:
-        """The sender records its packs over the parameters' storages; recorded anew whenever they
-        moved (a checkpoint load that replaced parameters): records point into them."""
-        storages = {p.untyped_storage().data_ptr() for c in self.model_chunks for p in c.parameters()
-                    if p.numel() > 0}
-        if self.sender.replay is None or self.sender.replay.model != storages:
-            self.sender.replay = BucketReplay(storages, into_model=False)
+        """The sender records its packs over the model's storages (anew whenever they moved, as a
+        checkpoint load that replaced parameters does)."""
+        storages = model_storages(*self.model_chunks)
+        self.sender.replay = replay_over(self.sender.replay, storages, into_model=False)
 
     def close(self, abort: bool = False) -> None:
         """`abort`: an engine of the group died; leave without waiting for it."""

@@ -24,7 +24,7 @@ from dataclasses import asdict
 import torch
 
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver, ExpectedWeights
-from opkd_mcore.weight_sync.copy_replay import BucketReplay, model_storages
+from opkd_mcore.weight_sync.copy_replay import model_storages, replay_over
 from opkd_mcore.weight_sync.transport import TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -182,11 +182,8 @@ class VllmWeightReceiver:
         if self._opkd_load_mode() == "direct":
             self._opkd_reload_s = 0.0
             self._opkd_weights_consistent = False   # until every bucket is in: a failure leaves a mix
-            # the loaders' copies, recorded once per bucket; recorded anew if the engine's tensors
-            # moved since (a reload or a wake-up that reallocated them): records point into them
-            storages = model_storages(model)
-            if getattr(self, "_opkd_replay", None) is None or self._opkd_replay.model != storages:
-                self._opkd_replay = BucketReplay(storages)
+            # the loaders' copies, recorded once per bucket (anew if the engine's tensors moved)
+            self._opkd_replay = replay_over(getattr(self, "_opkd_replay", None), model_storages(model))
             version = receiver.receive(lambda named: model.load_weights(weights=named), self._opkd_replay)
             self._opkd_weights_consistent = True
             logger.info("loaded weight version %d (in place)", version)

@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from opkd_mcore.weight_sync.copy_replay import BucketReplay
+from opkd_mcore.weight_sync.copy_replay import BucketReplay, replay_key
 from opkd_mcore.weight_sync.plan import Bucket, BucketPlan, TensorSlot
 from opkd_mcore.weight_sync.protocol import TRAILER_BYTES, ControlChannel, plan_header, write_trailer
 from opkd_mcore.weight_sync.transport import PendingTransfer, WeightTransport
@@ -127,7 +127,7 @@ class WeightSender:
         return self.stats
 
     def _key(self, i: int) -> tuple:
-        return self.plan.digest(), self.buckets[i].index, self._buffers[i % 2].data_ptr()
+        return replay_key(self.plan.digest(), self.buckets[i].index, self._buffers[i % 2])
 
     def _pack(self, bucket: Bucket, buf: torch.Tensor, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         missing = {self.plan.slots[i].name for i in bucket.slots}
