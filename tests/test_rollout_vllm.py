@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 def rollout(model_dir):
     from opkd_mcore.rollout.vllm_rollout import VllmRollout
 
-    engine = VllmRollout(model_dir, RolloutConfig(dtype="float32", max_model_len=128, **engine_kwargs()))
+    engine = VllmRollout(model_dir, RolloutConfig(dtype="float32", max_model_len=256, **engine_kwargs()))
     yield engine
     engine.shutdown()
 
@@ -151,6 +151,32 @@ def test_pause_holds_generation_and_new_version_is_recorded(rollout):
     worker.join(timeout=120)
     assert [s.weight_version for s in results] == [7]
     assert rollout.weight_version == 7
+    rollout.set_weight_version(0)
+
+
+def test_prefix_cache_is_reused_within_a_weight_version_only(rollout, monkeypatch):
+    """Requests carry their weight version as vLLM's cache salt: a prompt's cached KV is reused at
+    the same version and never after a weight update, so a sync need not reset the cache."""
+    block = rollout.llm.llm_engine.vllm_config.cache_config.block_size
+    if block + 2 > rollout.cfg.max_model_len:
+        pytest.skip(f"this platform's KV block ({block} tokens) is longer than the engine's context")
+    prompt = [1] + [4 + i % 20 for i in range(block)]
+    cached = []
+    generate = rollout.llm.generate
+
+    def spy(*args, **kwargs):  # the real engine's outputs, with how many prompt tokens came from its cache
+        outputs = generate(*args, **kwargs)
+        cached.extend(o.num_cached_tokens for o in outputs)
+        return outputs
+
+    monkeypatch.setattr(rollout.llm, "generate", spy)
+    once = SamplingConfig(max_new_tokens=1, seed=1)
+    rollout.generate([prompt], once)
+    rollout.generate([prompt], once)
+    assert cached[-1] >= block  # the same version: the prompt's full block came from the cache
+    rollout.set_weight_version(rollout.weight_version + 1)
+    rollout.generate([prompt], once)
+    assert cached[-1] == 0  # a new version hashes its blocks anew
     rollout.set_weight_version(0)
 
 

@@ -143,7 +143,7 @@ def _connect_both(handle, sender_transport, groups):
 
 
 def _sync(handle, sender, state, version):
-    return run_concurrently({"receive": lambda: handle.receive_async().result(),
+    return run_concurrently({"receive": lambda: handle.receive_async(version).result(),
                              "send": lambda: sender.sync(iter(state.items()), version)}, TIMEOUT_S)
 
 
@@ -176,8 +176,10 @@ def _round_trip(llm, fresh, checkpoints):
     _connect_both(handle, transport, groups)
     sender = WeightSender(plan, transport)
 
+    assert handle.posts  # vLLM's multiprocess client: the engine calls are posted back to back
     out = _sync(handle, sender, state_a, version=1)
     assert out["receive"] == [1]
+    _check_engine_calls(llm, handle, "1")
     probe_a = _decode_probe(llm.collective_rpc("probe_effective_weights")[0])
     expected_a = vllm_view_of_hf(state_a)
     assert probe_a.keys() == expected_a.keys()
@@ -187,8 +189,11 @@ def _round_trip(llm, fresh, checkpoints):
     stats_1 = handle.stats()[0]
     ptrs_1 = list(sender.stats.buffer_ptrs)
 
+    handle.posts = False  # the in-process client's way: the same calls, one by one
     out = _sync(handle, sender, state_b, version=2)
     assert out["receive"] == [2]
+    _check_engine_calls(llm, handle, "2")
+    handle.posts = True
     probe_b = _decode_probe(llm.collective_rpc("probe_effective_weights")[0])
     for name, t in fresh["probe"].items():
         assert torch.equal(probe_b[name], t), name
@@ -214,6 +219,25 @@ def _round_trip(llm, fresh, checkpoints):
     assert (0 < stats_2["last_reload_s"]) == (stats_2["load_mode"] == "layerwise")
     assert stats_2["last_load_s"] + stats_2["last_wait_s"] <= stats_2["last_sync_s"]
     transport.close()
+
+
+def _check_engine_calls(llm, handle, version: str):
+    """The engine core ran the prefix-cache reset, the receive and vLLM's version stamp in that
+    order, and kept the stamp."""
+    t = handle.last_receive_t
+    if handle.posts:
+        assert t["asked"] <= t["sent"] <= t["reset"] <= t["receive"] <= t.get("stamp", t["receive"])
+    else:
+        assert t["asked"] <= t["sent"] <= t["all"]
+    if hasattr(llm.llm_engine, "get_weight_version"):  # vLLM >= 0.30 keeps a stamp of its own
+        assert llm.llm_engine.get_weight_version() == version
+
+
+def test_declined_prefix_cache_reset_fails_the_sync():
+    """vLLM answers False when requests still hold cached blocks: the sync reports it."""
+    with pytest.raises(RuntimeError, match="kept its prefix cache"):
+        VllmSyncHandle._received({"reset": False, "receive": [3]})
+    assert VllmSyncHandle._received({"reset": True, "receive": [3]}) == [3]
 
 
 def test_engine_load_mode_is_direct_only_where_processing_is_a_noop():

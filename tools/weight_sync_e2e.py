@@ -20,6 +20,7 @@ import os
 import socket
 import tempfile
 import time
+from statistics import median
 
 import torch
 import torch.multiprocessing as mp
@@ -59,6 +60,8 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
     cfg.rollout.gpu_memory_utilization, cfg.rollout.max_model_len = 0.3, 256
     cfg.weight_sync.bucket_mb, cfg.weight_sync.transport = args.bucket_mb, transport
     rollout = build_rollout(cfg) if rank == 0 else None  # vLLM's worker takes GPU 0
+    if rollout is not None and args.trainer_cpus:
+        _split_cpus(args.trainer_cpus)
     init_distributed(cfg)
     _, chunks = build_student(model_dir, None, "bfloat16")
     syncer = WeightSyncer(chunks, rollout, cfg)
@@ -72,6 +75,7 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
             phases.append(_phases(syncer) if rank == 0 else None)
+    rpc = _idle_rpc(syncer.link.handle) if syncer.link.handle is not None else None
     stats = syncer.link.source.sender.stats if syncer.link.source.sender is not None else None
     plan = syncer.link.source.plan
     if rank == 0:
@@ -79,7 +83,7 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
         queue.put({"sync_s": times, "version": version, "total_bytes": plan.total_bytes,
                    "buckets": len(plan.buckets), "max_bucket": plan.max_bucket_nbytes(),
                    "handshakes": None if stats is None else stats.handshakes, "phases": phases,
-                   "device": torch.cuda.get_device_name(0)})
+                   "device": torch.cuda.get_device_name(0), "idle_rpc": rpc, "cpus": _cpu_sets()})
     syncer.close()
     if rollout is not None:
         rollout.shutdown()
@@ -96,11 +100,48 @@ def _phases(syncer) -> dict:
         worker, t = syncer.link.handle.stats()[0], syncer.link.handle.last_receive_t
         out.update(load_s=worker["last_load_s"], recv_wait_s=worker["last_wait_s"], reload_s=worker["last_reload_s"],
                    loaded_replayed=worker["last_replayed"],
-                   # the engine RPC around the receive: thread start, reaching the worker, hearing back
-                   rpc_thread_s=t["sent"] - t["asked"], rpc_reach_s=worker["last_start_t"] - t["sent"],
-                   rpc_answer_s=t["answered"] - worker["last_end_t"], reset_prefix_s=t["reset"] - t["answered"],
-                   stamp_s=syncer.last_stamp_s)
+                   # the engine calls around the receive, posted together (receive, version stamp;
+                   # the rollout salts its prefix cache, so no reset): posting, reaching the
+                   # worker, hearing back, the stamp's answer after the receive's
+                   post_s=t["sent"] - t["asked"], rpc_reach_s=worker["last_start_t"] - t["sent"],
+                   rpc_answer_s=t["receive"] - worker["last_end_t"],
+                   stamp_s=t.get("stamp", t["receive"]) - t["receive"])
     return out
+
+
+def _idle_rpc(handle, calls: int = 10) -> dict:
+    """An engine call with nothing else running: median seconds to reach a worker and back."""
+    reach, back = [], []
+    for _ in range(calls):
+        sent = time.monotonic()
+        worker_t = handle._worker_call("opkd_clock").result()[0]
+        back.append(time.monotonic() - worker_t)
+        reach.append(worker_t - sent)
+    return {"idle_rpc_reach_s": round(median(reach), 5), "idle_rpc_answer_s": round(median(back), 5)}
+
+
+def _cpu_sets() -> dict:
+    """How many CPUs this process and its children (the engine core, its workers) may run on."""
+    import psutil
+
+    me = psutil.Process()
+    return {f"{p.name()}:{p.pid}": len(p.cpu_affinity()) for p in (me, *me.children(recursive=True))}
+
+
+def _split_cpus(n: int) -> None:
+    """Every thread of this process on the last `n` allowed CPUs, every thread of its children (the
+    engine) on the others: whether the two contend for CPUs while a sync runs."""
+    import psutil
+
+    allowed = sorted(os.sched_getaffinity(0))
+    mine, theirs = set(allowed[-n:]), set(allowed[:-n])
+    me = psutil.Process()
+    for proc, cpus in ((me, mine), *((child, theirs) for child in me.children(recursive=True))):
+        for thread in proc.threads():
+            try:
+                os.sched_setaffinity(thread.id, cpus)
+            except OSError:  # a thread that ended meanwhile
+                pass
 
 
 def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, queue) -> None:
@@ -145,7 +186,6 @@ def run_e2e(args) -> dict:
     print(f"e2e syncs done: {args.layout} {args.shape}, {e2e['total_bytes'] / 1e9:.2f} GB, "
           f"seconds {e2e['sync_s']}, phases {e2e['phases'][-1]}", flush=True)
     raw = dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"], e2e["max_bucket"]))
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     gb = e2e["total_bytes"] / 1e9
     sync_s, raw_s = median(e2e["sync_s"]), median(raw[1])
     phases = {k: round(median([p[k] for p in e2e["phases"]]), 4) for k in e2e["phases"][0]}
@@ -153,7 +193,8 @@ def run_e2e(args) -> dict:
                 bucket_mb=args.bucket_mb, sync_s=round(sync_s, 4), sync_gbps=round(gb / sync_s, 1),
                 raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
                 engine_version=e2e["version"], device=e2e["device"], sync_all_s=e2e["sync_s"],
-                raw_all_s=raw[1], phases=phases, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                raw_all_s=raw[1], phases=phases, idle_rpc=e2e["idle_rpc"], cpus=e2e["cpus"],
+                trainer_cpus=args.trainer_cpus, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 torch=torch.__version__)
 
 
@@ -163,4 +204,7 @@ def print_row(row: dict) -> None:
     print(f"| {row['layout']} | {row['shape']} | {row['gbytes']} | {row['buckets']} | {row['sync_s']} | "
           f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} |")
     print("host seconds by phase (medians):", ", ".join(f"{k} {v}" for k, v in row["phases"].items()))
+    if row.get("idle_rpc"):
+        print("an engine call alone:", ", ".join(f"{k} {v}" for k, v in row["idle_rpc"].items()))
+    print("CPUs each process may use:", row.get("cpus"), "trainer pinned to", row.get("trainer_cpus"))
     print(json.dumps(row))

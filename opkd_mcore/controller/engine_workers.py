@@ -57,7 +57,8 @@ class RolloutEngineWorker:
         self.cfg, self.index = cfg, engine_index
         self.engine = build_rollout(cfg, tensor_parallel_size=cfg.controller.rollout_tp,
                                     sleep_mode=cfg.controller.placement == "colocated")
-        self.handle = VllmSyncHandle(self.engine.llm)
+        # the rollout salts its prefix cache with the weight version: no reset per sync
+        self.handle = VllmSyncHandle(self.engine.llm, reset_prefix_cache=False)
         self._gate = threading.Condition()
         self._requests = 0  # generate calls in flight
         self._updating = False  # a weight update or group join holds new generate calls back
@@ -166,11 +167,11 @@ class RolloutEngineWorker:
             if abort_in_flight:
                 self.engine.pause()  # returns once the chunk being generated has finished
             try:
-                loaded = self.handle.receive_async().result()
+                loaded = self.handle.receive_async(version).result()
                 if set(loaded) != {version}:
                     raise RuntimeError(f"rollout engine {self.index}: workers report weight versions "
                                        f"{loaded}, expected {version}")
-                self.engine.set_weight_version(version)
+                self.engine.set_weight_version(version, engine_stamped=True)
             finally:
                 if abort_in_flight:
                     self.engine.resume()

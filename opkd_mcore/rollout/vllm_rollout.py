@@ -101,13 +101,14 @@ class VllmRollout:
         """Version of the weights the engine holds now (0 = the checkpoint it was built from)."""
         return self._version
 
-    def set_weight_version(self, version: int) -> None:
-        """Record that new weights (of `version`) are loaded; call between pause() and resume()."""
+    def set_weight_version(self, version: int, engine_stamped: bool = False) -> None:
+        """Record that new weights (of `version`) are loaded; call between pause() and resume().
+        `engine_stamped`: the weight sync has given vLLM's engine the version already."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version: expected an int >= 0, got {version!r}")
         self._version = version
         engine = getattr(self.llm, "llm_engine", None)
-        if hasattr(engine, "set_weight_version"):  # keep vLLM's own stamp (metrics, logs) in step
+        if not engine_stamped and hasattr(engine, "set_weight_version"):  # vLLM's stamp (metrics, logs)
             engine.set_weight_version(str(version))
 
     def pause(self, timeout_s: float | None = None) -> None:
@@ -211,9 +212,9 @@ class VllmRollout:
         prompt_ids = self._prompt_ids(prompts)
         requests, owners = self._requests(prompt_ids, sampling, seeds)
         version = self._enter()
+        inputs = [{"prompt_token_ids": prompt_ids[i], "cache_salt": prefix_cache_salt(version)} for i in owners]
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in owners], requests,
-                                        use_tqdm=self.cfg.use_tqdm)
+            outputs = self.llm.generate(inputs, requests, use_tqdm=self.cfg.use_tqdm)
         finally:
             self._exit()
         return [self._to_sample(prompt_ids[i], c, version, i, data[i] if data else {})
@@ -252,6 +253,17 @@ class VllmRollout:
     def shutdown(self) -> None:
         """Stop the engine's worker processes (their accelerator memory is freed with them)."""
         shutdown_llm(self.llm)
+
+
+def prefix_cache_salt(version: int) -> str:
+    """vLLM's `cache_salt` of every request generated with weights of `version`.
+
+    A cached prefix block's hash starts from its request's salt, so a request of one version never
+    reuses KV computed with another version's weights, and a weight sync need not reset the prefix
+    cache: that reset walks every KV block in the engine core (5.5 ms for ~21K blocks on an H200,
+    more than half of a 1.7B model's NCCL transfer). Old blocks are evicted as the cache needs room.
+    """
+    return f"opkd-weights-{version}"
 
 
 def shutdown_llm(llm) -> None:

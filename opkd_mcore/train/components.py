@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -176,9 +175,10 @@ class WeightSyncer:
                                       bucket_bytes=cfg.weight_sync.bucket_mb << 20,
                                       transport=colocated_transport(cfg.weight_sync.transport, cfg.run.device))
         self.rollout = rollout
-        self.last_stamp_s = 0.0  # host seconds of the last sync's version stamp in the engine
         self.link = EngineWeightSync(MegatronWeightSync(chunks, groups_cfg),
-                                     VllmSyncHandle(rollout.llm) if rollout is not None else None)
+                                     # the rollout salts its prefix cache with the weight version
+                                     VllmSyncHandle(rollout.llm, reset_prefix_cache=False)
+                                     if rollout is not None else None)
         self.link.connect()
 
     def sync(self, version: int) -> None:
@@ -187,10 +187,8 @@ class WeightSyncer:
             return
         self.rollout.pause()
         try:
-            self.link.sync(version)
-            start = time.perf_counter()
-            self.rollout.set_weight_version(version)  # vLLM's own stamp: one more engine RPC
-            self.last_stamp_s = time.perf_counter() - start
+            self.link.sync(version)  # the engine's own version stamp travels with the receive
+            self.rollout.set_weight_version(version, engine_stamped=True)
         finally:
             self.rollout.resume()
 

@@ -34,7 +34,7 @@ class EngineWeightSync:
         if self.handle is None:
             self.source.sync(version)
             return version
-        receiving = self.handle.receive_async()  # started first: it blocks until the sender speaks
+        receiving = self.handle.receive_async(version)  # posted first: it waits for the sender
         self.source.sync(version)
         loaded = await_all({"rollout workers receive": receiving}, self.timeout_s)["rollout workers receive"]
         if set(loaded) != {version}:

@@ -228,6 +228,11 @@ class VllmWeightReceiver:
             logger.info("weight sync loads into the engine %s", mode)
         return mode
 
+    def opkd_clock(self) -> float:
+        """This worker's `time.monotonic()`: against the caller's clock (one per host), how long
+        an engine call takes to reach the worker and to come back."""
+        return time.monotonic()
+
     def opkd_close_weight_sync(self) -> None:
         receiver = getattr(self, "_opkd_receiver", None)
         if receiver is not None:

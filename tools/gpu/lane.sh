@@ -15,7 +15,8 @@
 #   bash tools/gpu/lane.sh train2         # the same with student TP=2 over 2 GPUs
 #   bash tools/gpu/lane.sh demo           # opkd demo --device cuda
 #   bash tools/gpu/lane.sh e2e qwen3-8b tp1-disagg   # weight sync Megatron -> vLLM vs raw (2 GPUs);
-#                                         # BUCKET_MB=256 for other buckets (default 1024)
+#                                         # BUCKET_MB=256 for other buckets (default 1024); more
+#                                         # arguments go to the tool (TAG=_x names the logs apart)
 #   bash tools/gpu/lane.sh e2e_all        # 1.7B and 8B tp1-disagg, 8B tp2-coloc, one after the other
 #   bash tools/gpu/lane.sh loss           # the loss inside a training step: time, share, memory
 #   bash tools/gpu/lane.sh lm_head        # fused LM head + KD: GPU tests, then the benchmark
@@ -79,9 +80,9 @@ case "${1:-}" in
   e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
         # (an 8B run takes several minutes: engine start, loading 16 GB, raw transfer; give it >= 280 s)
     [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
-    b=${BUCKET_MB:-1024}; log="$OUT/e2e_$2_$3_$b"
+    b=${BUCKET_MB:-1024}; log="$OUT/e2e_$2_$3_$b${TAG:-}"
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
-        --bucket-mb "$b" --iters 5 --json "$log.json" > "$log.log" 2>&1
+        --bucket-mb "$b" --iters 5 --json "$log.json" "${@:4}" > "$log.log" 2>&1
     grep -A3 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log" ;;
   e2e_all)  # issue 12's three end-to-end figures in one call (~6 minutes on two H200s, models made first)
     for run in "qwen3-1.7b tp1-disagg" "qwen3-8b tp1-disagg" "qwen3-8b tp2-coloc"; do
