@@ -104,6 +104,8 @@ def _phases(syncer) -> dict:
                    # the rollout salts its prefix cache, so no reset): posting, reaching the
                    # worker, hearing back, the stamp's answer after the receive's
                    post_s=t["sent"] - t["asked"], rpc_reach_s=worker["last_start_t"] - t["sent"],
+                   # of which the worker's own prologue (replay bookkeeping) before the receiver starts
+                   prologue_s=worker["last_start_t"] - worker["last_enter_t"],
                    rpc_answer_s=t["receive"] - worker["last_end_t"],
                    stamp_s=t.get("stamp", t["receive"]) - t["receive"])
     return out

@@ -177,6 +177,7 @@ class VllmWeightReceiver:
 
     def opkd_receive_weights(self) -> int:
         """Receive one full sync into the model; returns the weight version now loaded."""
+        self._opkd_enter_t = time.monotonic()  # against the receiver's own start: this method's prologue
         receiver = self._opkd_receiver_or_raise()
         model = self.model_runner.model
         if self._opkd_load_mode() == "direct":
@@ -216,6 +217,8 @@ class VllmWeightReceiver:
         stats["weights_consistent"] = self._opkd_weights_consistent
         # host seconds of the last sync in vLLM's layerwise reload set-up and finalize
         stats["last_reload_s"] = getattr(self, "_opkd_reload_s", 0.0)
+        # `time.monotonic()` on entering the last receive (the receiver's start is `last_start_t`)
+        stats["last_enter_t"] = getattr(self, "_opkd_enter_t", 0.0)
         stats["load_mode"] = self._opkd_load_mode()
         return stats
 
