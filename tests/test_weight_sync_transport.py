@@ -462,14 +462,21 @@ def _slow_sender_proc(group, delay_s, queue):
     try:
         transport = make_transport("group", group, rank=0)
         sender = WeightSender(_plan(), transport, 1)
+        events, broadcast = [], transport.broadcast
+
+        def logged_broadcast(buf, nbytes):  # the real broadcast, its order among the exports noted
+            events.append("broadcast")
+            return broadcast(buf, nbytes)
 
         def slow_export():  # stands in for an export whose TP gathers take time
             for item in _stage_tensors(1, 5):
                 time.sleep(delay_s)
+                events.append("export")
                 yield item
 
+        transport.broadcast = logged_broadcast
         s = sender.sync(slow_export(), 5)
-        queue.put(("sender", 1, (s.last_pack_s, s.last_wait_s, s.last_sync_s)))
+        queue.put(("sender", 1, (s.last_pack_s, s.last_wait_s, s.last_sync_s, events)))
         transport.close()
     except BaseException:
         queue.put(("error", 1, traceback.format_exc()))
@@ -483,7 +490,7 @@ def _slow_receiver_proc(group, delay_s, queue):
         buckets = []
         receiver.receive(lambda named: (buckets.append(len(named)), time.sleep(delay_s)))
         s = receiver.stats
-        queue.put(("receiver", 1, (len(buckets), s.last_load_s, s.last_wait_s, s.last_sync_s)))
+        queue.put(("receiver", 1, (buckets, s.last_load_s, s.last_wait_s, s.last_sync_s)))
         receiver.close()
     except BaseException:
         queue.put(("error", 1, traceback.format_exc()))
@@ -502,17 +509,23 @@ def test_sync_stats_split_host_time_into_pack_wait_and_load():
     for p in procs:
         p.join(30)
     assert "error" not in results, results["error"]
-    pack_s, send_wait_s, send_total_s = results["sender"]
-    n_buckets, load_s, recv_wait_s, recv_total_s = results["receiver"]
-    n_tensors = len(_stage_tensors(1, 0))
+    pack_s, send_wait_s, send_total_s, events = results["sender"]
+    bucket_sizes, load_s, recv_wait_s, recv_total_s = results["receiver"]
+    n_buckets, n_tensors = len(bucket_sizes), len(_stage_tensors(1, 0))
+    assert sum(bucket_sizes) == n_tensors
+    # bucket 0 is exported before the header (the first broadcast), the next bucket after it
+    assert events[:bucket_sizes[0] + 2] == ["export"] * bucket_sizes[0] + ["broadcast"] * 2
     assert pack_s >= n_tensors * export_delay
     assert pack_s + send_wait_s <= send_total_s
     assert n_buckets >= 2 and load_s >= n_buckets * load_delay
     assert load_s + recv_wait_s <= recv_total_s
-    # the receiver cannot load what the sender has not exported yet: the export it did not spend
-    # loading (loads overlap the next bucket's export) it spent waiting
-    assert recv_wait_s + load_s >= n_tensors * export_delay
-    assert recv_wait_s >= n_tensors * export_delay - n_buckets * load_delay > 0
+    # the receiver cannot load what the sender has not exported yet. Bucket 0 is exported before
+    # the header goes out (the receiver waits for it in the header, outside these counters); the
+    # export of the rest it spent loading earlier buckets or waiting, and the last bucket's load
+    # comes after all of it
+    after_first = (n_tensors - bucket_sizes[0]) * export_delay
+    assert recv_wait_s + load_s >= after_first
+    assert recv_wait_s >= after_first - load_s * (n_buckets - 1) / n_buckets > 0
 
 
 class _TeardownWaitsForPeer:

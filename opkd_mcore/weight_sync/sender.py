@@ -88,29 +88,25 @@ class WeightSender:
             raise ValueError(f"version: expected a non-negative int, got {version!r}")
         start = time.perf_counter()
         control = self._ensure_ready()
-        self._handshake(control, version)
         stream = iter(named_tensors)
         timeout = self.transport.cfg.timeout_s
         pending: PendingTransfer | None = None
-        pack_s = wait_s = 0.0
         replaying = self.replay is not None and \
             all(self.replay.replayable(self._key(i)) for i in range(len(self.buckets)))
         self.stats.last_replayed = 0
+        # bucket 0 is packed before the header goes out: on accelerators the work after the header
+        # waits for it, and so for the receivers to arrive, so packing it first takes it off the path
+        pack_s = self._pack_bucket(0, stream, version, replaying) if self.buckets else 0.0
+        self._handshake(control, version)
+        wait_s = 0.0
         for i, bucket in enumerate(self.buckets):
-            buf = self._buffers[i % 2]
-            t0 = time.perf_counter()
-            if self.replay is None:
-                self._pack(bucket, buf, stream)  # overlaps the transfer of bucket i-1
-            else:
-                # all or none: a replayed bucket would leave its tensors unread in the stream
-                self.stats.last_replayed += self.replay.run(
-                    self._key(i), buf, lambda: self._pack(bucket, buf, stream), may_replay=replaying)
-            write_trailer(buf, bucket.nbytes, version, bucket.index, self.plan.digest())
+            if i > 0:  # overlaps the transfer of bucket i-1
+                pack_s += self._pack_bucket(i, stream, version, replaying)
             t1 = time.perf_counter()
             if pending is not None:
                 pending.wait(timeout)
-            pack_s, wait_s = pack_s + t1 - t0, wait_s + time.perf_counter() - t1
-            pending = self.transport.broadcast(buf, bucket.nbytes + TRAILER_BYTES)
+            wait_s += time.perf_counter() - t1
+            pending = self.transport.broadcast(self._buffers[i % 2], bucket.nbytes + TRAILER_BYTES)
             self.stats.bytes_sent += bucket.nbytes
         t1 = time.perf_counter()
         if pending is not None:
@@ -125,6 +121,19 @@ class WeightSender:
         logger.info("weight sync v%d stage %d: %d buckets, %.1f MB in %.3f s", version, self.stage,
                     len(self.buckets), self.stats.bytes_sent / self.stats.syncs / 1e6, self.stats.last_sync_s)
         return self.stats
+
+    def _pack_bucket(self, i: int, stream: Iterator[tuple[str, torch.Tensor]], version: int,
+                     replaying: bool) -> float:
+        """Bucket i into its buffer (packed, or replayed), then its trailer; returns host seconds."""
+        start, bucket, buf = time.perf_counter(), self.buckets[i], self._buffers[i % 2]
+        if self.replay is None:
+            self._pack(bucket, buf, stream)
+        else:
+            # all or none: a replayed bucket would leave its tensors unread in the stream
+            self.stats.last_replayed += self.replay.run(
+                self._key(i), buf, lambda: self._pack(bucket, buf, stream), may_replay=replaying)
+        write_trailer(buf, bucket.nbytes, version, bucket.index, self.plan.digest())
+        return time.perf_counter() - start
 
     def _key(self, i: int) -> tuple:
         return replay_key(self.plan.digest(), self.buckets[i].index, self._buffers[i % 2])
