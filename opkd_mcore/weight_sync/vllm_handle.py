@@ -2,9 +2,8 @@
 
 Group creation blocks on both sides until the other arrives, so the rollout side's join must
 already be posted to the engine before the trainer side joins in the same process, and both must
-be awaited. `run_concurrently` does that with one timeout and an error that
-names the side that did not finish (the race described in seed 003 cannot happen: nothing is left
-un-awaited).
+be awaited. `run_concurrently` does that with one timeout and an error that names the side that
+did not finish (the race described in seed 003 cannot happen: nothing is left un-awaited).
 """
 from __future__ import annotations
 
@@ -60,8 +59,8 @@ def post_engine_call(llm, method: str, *args) -> cf.Future:
     round trips (receive, prefix-cache reset, version stamp), the receive sent by a helper thread
     that the sender's loop kept from the GIL. Posted here, the message is on the wire before the
     sender starts, and calls posted back to back run one after another in the engine core with no
-    round trip between them. These
-    are the steps of vLLM's `SyncMPClient.call_utility` (0.26 to 0.32) without its wait.
+    round trip between them. These are the steps of vLLM's `SyncMPClient.call_utility` (0.26 to
+    0.32) without its wait.
     """
     from vllm.v1.engine import EngineCoreRequestType
 
