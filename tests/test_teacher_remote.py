@@ -170,7 +170,7 @@ def _fake_prompt_logprobs(seq: list[int], k: int) -> list:
     return out
 
 
-def _fake_handler(vocab_size: int, bodies: list):
+def _fake_handler(vocab_size: int, bodies: list, cut_posts: bool = False):
     class FakeVllmHandlerForTest(http.server.BaseHTTPRequestHandler):
         def log_message(self, *args):  # keep the test output quiet
             pass
@@ -181,6 +181,10 @@ def _fake_handler(vocab_size: int, bodies: list):
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
+            if cut_posts and self.command == "POST":  # a server that dies while answering
+                self.wfile.write(raw[:len(raw) // 2])
+                self.close_connection = True
+                return
             self.wfile.write(raw)
 
         def do_GET(self):
@@ -204,9 +208,9 @@ def _fake_handler(vocab_size: int, bodies: list):
 
 
 @contextmanager
-def fake_server(vocab_size: int):
+def fake_server(vocab_size: int, cut_posts: bool = False):
     bodies: list = []
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _fake_handler(vocab_size, bodies))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _fake_handler(vocab_size, bodies, cut_posts))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
@@ -237,6 +241,17 @@ def test_matching_vocabulary_is_accepted_after_one_probe():
         teacher.score([[4, 5, 6]])
     assert [tuple(s.ids.shape) for s in scored] == [(2, 4), (1, 4)]
     assert _vocab_probes(bodies) == [[[99]]]  # asked once, not per request
+
+
+def test_answer_cut_short_is_retried_then_names_the_server():
+    """A server that dies while sending its answer (the client reads fewer bytes than announced)
+    is a connection failure: bounded retries, then the error that names the server."""
+    with fake_server(vocab_size=100, cut_posts=True) as (url, bodies):
+        teacher = RemoteVllmTeacher(RemoteTeacherConfig(url=url, k=4, max_retries=2, backoff_s=0.01))
+        with pytest.raises(TeacherUnavailableError, match=rf"teacher server {url} did not answer .* "
+                                                          r"after 3 attempts: IncompleteRead"):
+            teacher.score([[1, 2, 3]])
+    assert len(bodies) == 3 and teacher.stats["retries"] == 2
 
 
 def test_unchecked_vocabulary_says_so(caplog):

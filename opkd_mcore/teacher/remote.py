@@ -16,6 +16,7 @@ server's size, for the error message.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import re
@@ -155,7 +156,8 @@ class RemoteVllmTeacher(Teacher):
             raise _HttpStatusError(err.code, err.read().decode(errors="replace")) from err
 
     def _call(self, path: str, body: dict | None, request: str, raw: bool = False):
-        """POST/GET with bounded retries on connection errors, timeouts and 5xx; 4xx is final.
+        """POST/GET with bounded retries on connection errors (an answer cut short included),
+        timeouts and 5xx; 4xx is final.
         JSON by default; `raw`: (body bytes, the `metadata` header) of a bytes response."""
         last = None
         for attempt in range(self.cfg.max_retries + 1):
@@ -177,7 +179,9 @@ class RemoteVllmTeacher(Teacher):
                 if err.code < 500:
                     raise TeacherError(f"teacher server {self.url} rejected {request}: {err}") from err
                 last = err
-            except (OSError, TimeoutError, json.JSONDecodeError) as err:  # URLError is an OSError
+            # URLError is an OSError; an answer cut short (the server died while sending it) is an
+            # http.client.IncompleteRead, an HTTPException
+            except (OSError, TimeoutError, http.client.HTTPException, json.JSONDecodeError) as err:
                 last = err
             logger.warning("teacher server %s, %s: attempt %d/%d failed: %r", self.url, request,
                            attempt + 1, self.cfg.max_retries + 1, last)

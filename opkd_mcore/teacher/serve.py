@@ -13,6 +13,7 @@ the output weight the trainer holds: `teacher/hidden_states.py`): the model runs
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import os
@@ -82,7 +83,7 @@ def server_ready(url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout_s) as resp:
             return resp.status == 200 and bool(json.loads(resp.read()).get("data"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):  # not up, or dying while it answers
         return False
 
 
