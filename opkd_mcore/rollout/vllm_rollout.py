@@ -261,7 +261,7 @@ def prefix_cache_salt(version: int) -> str:
     A cached prefix block's hash starts from its request's salt, so a request of one version never
     reuses KV computed with another version's weights, and a weight sync need not reset the prefix
     cache: that reset walks every KV block in the engine core (5.5 ms for ~21K blocks on an H200,
-    more than half of a 1.7B model's NCCL transfer). Old blocks are evicted as the cache needs room.
+    more than half of a 1.7B model's transfer). Old blocks are evicted as the cache needs room.
     """
     return f"opkd-weights-{version}"
 

@@ -126,11 +126,8 @@ class VllmSyncHandle:
             return {name: post_engine_call(self.llm, *call) for name, call in calls.items()}
 
     def _call_in_order(self, calls: dict[str, tuple]) -> dict[str, Any]:
-        engine, answers = self.llm.llm_engine, {}
-        for name, (method, *args) in calls.items():
-            answers[name] = engine.collective_rpc(*args) if method == "collective_rpc" else \
-                getattr(engine, method)(*args)
-        return answers
+        engine = self.llm.llm_engine  # its methods take the engine core's arguments
+        return {name: getattr(engine, method)(*args) for name, (method, *args) in calls.items()}
 
     def _worker_call(self, method: str, *args) -> cf.Future:
         """`collective_rpc(method, args)` on every worker; the future holds their answers."""
