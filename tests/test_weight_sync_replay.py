@@ -10,12 +10,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
+import weakref
 
 import pytest
 import torch
 
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
-from opkd_mcore.weight_sync.copy_replay import BucketReplay, CopyRecorder, model_storages
+from opkd_mcore.weight_sync import copy_replay
+from opkd_mcore.weight_sync.copy_replay import BucketReplay, CopyRecorder, ModelStorages, model_storages
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from tests._dist import free_port
 from tests.test_weight_sync_transport import _collect, _sender_proc, _stage_tensors, _start
@@ -320,3 +322,68 @@ def test_vllm_receiver_direct_mode_replays_and_rerecords_moved_tensors():
     assert all(equal and consistent for equal, _, consistent in per_sync)
     replayed = [n for _, n, _ in per_sync]
     assert replayed[0] == 0 and replayed[1] > 0 and replayed[2] == 0 and replayed[3] == replayed[1]
+
+
+def _small_model() -> torch.nn.Sequential:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2, bias=False))
+    model[0].register_buffer("scale", torch.ones(4))
+    model[2].register_buffer("empty", torch.zeros(0))
+    return model
+
+
+def test_model_storages_of_an_unchanged_model_are_walked_once():
+    model = _small_model()
+    storages = ModelStorages(model)
+    first = storages.current()
+    for _ in range(5):
+        assert storages.current() == first
+    assert storages.walks == 1
+    assert first == model_storages(model) == \
+        {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel() > 0}
+
+
+def _weight() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(4, 3))
+
+
+MODEL_CHANGES = {  # `spare`: a Linear built before the first walk, so its tensors registered before it
+    "attribute": lambda m, spare: setattr(m[0], "weight", _weight()),
+    "register_parameter": lambda m, spare: m[0].register_parameter("weight", _weight()),
+    "new_parameter": lambda m, spare: m[2].register_parameter("extra", _weight()),
+    "register_buffer": lambda m, spare: m[0].register_buffer("scale", torch.zeros(4)),
+    "buffer_assigned": lambda m, spare: setattr(m[0], "scale", torch.zeros(4)),
+    "data": lambda m, spare: setattr(m[0].weight, "data", torch.empty_like(m[0].weight)),
+    "empty_buffer_grows": lambda m, spare: m[2].empty.resize_(8),
+    "submodule_attached": lambda m, spare: m.__setitem__(0, spare),
+}
+
+
+@pytest.mark.parametrize("change", list(MODEL_CHANGES))
+def test_model_storages_are_walked_again_after_a_change(change):
+    model, spare = _small_model(), torch.nn.Linear(3, 4)
+    storages = ModelStorages(model)
+    before = set(storages.current())
+    MODEL_CHANGES[change](model, spare)
+    assert storages.current() == model_storages(model) != before
+    assert storages.walks == 2
+    assert storages.current() == model_storages(model) and storages.walks == 2
+
+
+@pytest.mark.parametrize("view_kept", [False, True])
+def test_model_storages_see_a_parameter_written_straight_into_the_dict(view_kept):
+    """`module._parameters[name] = ...` fires no registration hook. Unreferenced, the old parameter
+    dies (the watch list holds it weakly); kept alive by a view (as the replay records hold views
+    of the model's tensors), it is no longer the one in the dict. Either way: walked again."""
+    model = _small_model()
+    storages = ModelStorages(model)
+    before = set(storages.current())
+    old = weakref.ref(model[0].weight)
+    view = model[0].weight[1:3] if view_kept else None
+    registrations = copy_replay._registrations
+    model[0]._parameters["weight"] = torch.nn.Parameter(torch.randn(4, 3))
+    assert (old() is None) != view_kept
+    assert copy_replay._registrations == registrations  # only the watch list can have seen it
+    assert storages.current() == model_storages(model) != before
+    assert storages.walks == 2
+    del view
+

@@ -16,10 +16,12 @@ host only, so a store meant for 127.0.0.1 is not reachable from other machines.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import inspect
 import logging
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -95,6 +97,23 @@ def listen_for_group(host: str, port: int, *, move_if_taken: bool = True) -> Gro
     return GroupListener(host, sock.getsockname()[1], sock)
 
 
+NCCL_CLEAN_UP_ONLY = 2  # TORCH_NCCL_ASYNC_ERROR_HANDLING: abort the failed communicator, keep the process
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _torch_backend(backend: str, store, rank: int, world_size: int, timeout: timedelta):
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout), torch.device("cpu"), \
@@ -102,8 +121,15 @@ def _torch_backend(backend: str, store, rank: int, world_size: int, timeout: tim
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options), torch.device("cuda"), \
-            dist.ProcessGroup.BackendType.NCCL
+        # read once, by this constructor: on a transfer past the group's timeout (an engine that hung
+        # or died mid-sync) the watchdog aborts this group's communicator and the next transfer on it
+        # fails, instead of torch's default of taking the whole trainer process down (seen on two
+        # GPUs: tests/test_weight_sync_abort_gpu.py), and without first waiting a minute for a flight-
+        # recorder dump (the wait holds the group's work list: the trainer's next transfer blocked on it)
+        with _environ(TORCH_NCCL_ASYNC_ERROR_HANDLING=str(NCCL_CLEAN_UP_ONLY), TORCH_NCCL_DUMP_ON_TIMEOUT="0",
+                      TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC="0"):
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        return pg, torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL
     raise ValueError(f"backend: expected one of {_TORCH_BUILT}, got {backend!r}")
 
 

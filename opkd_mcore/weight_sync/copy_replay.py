@@ -22,6 +22,7 @@ host time per tensor through the export's Python; replayed, the export is not wa
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -129,7 +130,80 @@ class CopyRecorder(TorchDispatchMode):
 
 def model_storages(*modules: torch.nn.Module) -> set[int]:
     """Storage pointers of every parameter and buffer: the tensors a load may write (or a pack read)."""
-    return {storage_ptr(t) for m in modules for t in (*m.parameters(), *m.buffers()) if t.numel() > 0}
+    return {storage_ptr(t) for _, _, t in _model_tensors(modules) if t.numel() > 0}
+
+
+def _model_tensors(modules) -> list[tuple[dict, str, torch.Tensor]]:
+    """(the dict holding it, its name there, the tensor) for every parameter and buffer: what
+    `parameters()` and `buffers()` walk, with where each one sits so that a replacement shows."""
+    return [(held, name, t) for root in modules for m in root.modules()
+            for held in (m._parameters, m._buffers) for name, t in held.items() if t is not None]
+
+
+_registrations = 0  # parameters, buffers and submodules registered on any module of this process
+_counting = False
+
+
+def _count_registration(module, name, value) -> None:
+    global _registrations
+    _registrations += 1  # returns None: the registration itself goes on unchanged
+
+
+def _count_registrations() -> None:
+    global _counting
+    if not _counting:
+        from torch.nn.modules import module as nn_module
+
+        nn_module.register_module_parameter_registration_hook(_count_registration)
+        nn_module.register_module_buffer_registration_hook(_count_registration)
+        # a submodule built before the last walk and attached after it registers no tensor now
+        nn_module.register_module_module_registration_hook(_count_registration)
+        _counting = True
+
+
+class ModelStorages:
+    """`model_storages(*modules)`, walked again only when the model may have changed.
+
+    The walk runs once per weight sync on both ends, to notice tensors that moved (their records
+    must go); on the GPU machine it took ~2.1 ms of a 13.6 ms sync for vLLM's Qwen3-1.7B, although
+    the model hardly ever changes. Instead `current()` walks again only if a parameter, buffer or
+    submodule was registered anywhere since the last walk, or one of the tensors it found is gone,
+    no longer where it was found, or has moved (`param.data = ...`). Not seen: a tensor put under a
+    new name by writing a module's `_parameters` / `_buffers` / `_modules` dict directly.
+    The set returned is shared between calls: do not change it."""
+
+    def __init__(self, *modules: torch.nn.Module):
+        _count_registrations()
+        self.modules = modules
+        self.walks = 0
+        self._registrations: int | None = None
+        # weak: a tensor the model dropped must not be kept alive (and its memory held) by this list
+        self._watch: list[tuple[dict, str, weakref.ref, int]] = []
+        self._storages: set[int] = set()
+
+    def current(self) -> set[int]:
+        if self._changed():
+            self._walk()
+        return self._storages
+
+    def _changed(self) -> bool:
+        if self._registrations != _registrations:
+            return True
+        for held, name, ref, ptr in self._watch:
+            t = ref()
+            # the dict, not only the weak reference: views in the replay records keep a replaced
+            # tensor alive, so a `module._parameters[name] = new` would otherwise go unseen
+            if t is None or held.get(name) is not t or t.data_ptr() != ptr:
+                return True
+        return False
+
+    def _walk(self) -> None:
+        self._registrations = _registrations  # before: a registration during the walk is seen next time
+        found = _model_tensors(self.modules)
+        # empty tensors too: one that later gets storage changes the set
+        self._watch = [(held, name, weakref.ref(t), t.data_ptr()) for held, name, t in found]
+        self._storages = {storage_ptr(t) for _, _, t in found if t.numel() > 0}
+        self.walks += 1
 
 
 def replay_key(digest: str, bucket: int, buf: torch.Tensor) -> tuple:

@@ -42,7 +42,8 @@ class _GroupWork(PendingTransfer):
     """On CPU, waits on the host with the timeout. On accelerators, orders the current stream after
     the transfer without blocking the host: a host wait with a timeout polls in 1 ms sleeps, which
     costs about that much per bucket. There the group's own timeout (set when it was made) aborts a
-    transfer whose peer is gone, and the error surfaces at the next host synchronisation."""
+    transfer whose peer is gone: its watchdog aborts the communicator (`platform.stateless_group`),
+    which releases the stream, and the next transfer on the group fails (`_enqueue`)."""
 
     def __init__(self, work, what: str, host_wait: bool):
         self.work, self.what, self.host_wait = work, what, host_wait
@@ -110,7 +111,17 @@ class StatelessGroupTransport(WeightTransport):
 
     def broadcast(self, buf: torch.Tensor, nbytes: int) -> PendingTransfer:
         what = f"broadcast of {nbytes} bytes on {self.cfg.host}:{self.cfg.port}"
-        return _GroupWork(self._group().broadcast(buf[:nbytes], SENDER_RANK), what, self._host_wait())
+        return self._enqueue(lambda pg: pg.broadcast(buf[:nbytes], SENDER_RANK), what)
+
+    def _enqueue(self, start, what: str) -> _GroupWork:
+        pg = self._group()
+        try:
+            work = start(pg)
+        except RuntimeError as err:  # a group aborted by its watchdog (a peer timed out) takes no more work
+            raise WeightSyncTimeout(f"{what}: the group takes no more transfers (aborted after one ran past "
+                                    f"its timeout of {self.cfg.timeout_s:.0f} s, or a peer left; "
+                                    f"{type(err).__name__}: {err})") from err
+        return _GroupWork(work, what, self._host_wait())
 
     def exchange_status(self, message: str) -> list[str]:
         table = torch.zeros(self.world_size, STATUS_BYTES, dtype=torch.int32, device=self.device)
@@ -119,8 +130,7 @@ class StatelessGroupTransport(WeightTransport):
             table[self.rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.int32)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        _GroupWork(self._group().allreduce([table], opts), "status exchange", self._host_wait()).wait(
-            self.cfg.timeout_s)
+        self._enqueue(lambda pg: pg.allreduce([table], opts), "status exchange").wait(self.cfg.timeout_s)
         rows = table.cpu().tolist()
         return [bytes(v for v in row if v).decode(errors="replace") for row in rows]
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from opkd_mcore.platform import current_device
 
-from opkd_mcore.weight_sync.copy_replay import model_storages, replay_over
+from opkd_mcore.weight_sync.copy_replay import ModelStorages, replay_over
 from opkd_mcore.weight_sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from opkd_mcore.weight_sync.sender import SenderStats, WeightSender
 from opkd_mcore.weight_sync.transport import TransportConfig, make_transport
@@ -141,6 +141,7 @@ class MegatronWeightSync:
         # sources whose export this rank takes part in, in the order the receivers drain them
         self.sources = sorted({source_of(m, self.ep) for m in self.metadata if _my_parts(m, stage)})
         self.sender: WeightSender | None = None
+        self._storages = ModelStorages(*model_chunks)  # walks the chunks only when they may have changed
         if self.source is not None:
             transport = make_transport(cfg.transport, self.groups[self.source], rank=0)
             self.sender = WeightSender(self.plan, transport, self.source)
@@ -197,8 +198,7 @@ class MegatronWeightSync:
     def _arm_replay(self) -> None:
         """The sender records its packs over the model's storages (anew whenever they moved, as a
         checkpoint load that replaced parameters does)."""
-        storages = model_storages(*self.model_chunks)
-        self.sender.replay = replay_over(self.sender.replay, storages, into_model=False)
+        self.sender.replay = replay_over(self.sender.replay, self._storages.current(), into_model=False)
 
     def close(self, abort: bool = False) -> None:
         """`abort`: an engine of the group died; leave without waiting for it."""

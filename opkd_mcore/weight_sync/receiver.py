@@ -24,7 +24,7 @@ from dataclasses import asdict
 import torch
 
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver, ExpectedWeights
-from opkd_mcore.weight_sync.copy_replay import model_storages, replay_over
+from opkd_mcore.weight_sync.copy_replay import ModelStorages, replay_over
 from opkd_mcore.weight_sync.transport import TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,8 @@ class VllmWeightReceiver:
             self._opkd_reload_s = 0.0
             self._opkd_weights_consistent = False   # until every bucket is in: a failure leaves a mix
             # the loaders' copies, recorded once per bucket (anew if the engine's tensors moved)
-            self._opkd_replay = replay_over(getattr(self, "_opkd_replay", None), model_storages(model))
+            storages = self._opkd_storages_of(model)
+            self._opkd_replay = replay_over(getattr(self, "_opkd_replay", None), storages)
             version = receiver.receive(lambda named: model.load_weights(weights=named), self._opkd_replay)
             self._opkd_weights_consistent = True
             logger.info("loaded weight version %d (in place)", version)
@@ -211,6 +212,14 @@ class VllmWeightReceiver:
                 self._opkd_weights_consistent = ok
         logger.info("loaded weight version %d", version)
         return version
+
+    def _opkd_storages_of(self, model) -> set[int]:
+        """Storage pointers of the engine model's tensors, walked again only when they may have moved."""
+        storages = getattr(self, "_opkd_storages", None)
+        if storages is None or storages.modules[0] is not model:
+            # another model object (a rebuild): the old one, still held here, would look unchanged
+            storages = self._opkd_storages = ModelStorages(model)
+        return storages.current()
 
     def opkd_weight_sync_stats(self) -> dict:
         stats = asdict(self._opkd_receiver_or_raise().stats)
