@@ -584,3 +584,25 @@ def test_leaving_a_group_whose_peer_died_aborts_instead_of_waiting(name):
     group_end.pg = dead = _GroupWhoseShutdownWaitsForADeadPeer()
     transport.close(abort=True)
     assert dead.calls == ["abort"] and group_end.pg is None
+
+
+def test_sender_host_waits_do_not_grow_with_the_buckets():
+    """On an accelerator a tensor built from Python data is a blocking copy: the host then waits for
+    every transfer queued before it. The sender builds the header and all trailers once per sync, so
+    the count of such ops is the same for one bucket as for many (each bucket's trailer was one)."""
+    from tests._host_sync import SyncingOpRecorder
+
+    def host_waits(bucket_bytes: int) -> tuple[int, int]:
+        tensors = _stage_tensors(0, 3)
+        plan = BucketPlan.from_named_tensors(tensors, bucket_bytes)
+        group = TransportConfig(port=free_port(), world_size=1, timeout_s=30)  # no receivers needed
+        sender = WeightSender(plan, make_transport("group", group, rank=0), 0)
+        sender.sync(iter(tensors), 3)  # the first sync also moves the plan
+        with SyncingOpRecorder() as recorder:
+            sender.sync(iter(tensors), 4)
+        sender.transport.close()
+        return len(plan.buckets), len(recorder.seen)
+
+    few, many = host_waits(1 << 20), host_waits(BUCKET_BYTES // 8)
+    assert few[0] == 1 and many[0] >= 10, (few, many)
+    assert few[1] == many[1], (few, many)

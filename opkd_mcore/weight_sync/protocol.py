@@ -88,9 +88,14 @@ class ControlChannel:
                 raise PlanMismatchError(f"weight-sync plan check failed at {role}: {text}")
 
 
-def write_trailer(buf: torch.Tensor, at: int, version: int, bucket: int, digest: str) -> None:
-    words = torch.tensor([TRAILER_MAGIC, version, bucket, _digest_words(digest)[0]], dtype=torch.int64)
-    buf[at:at + TRAILER_BYTES].copy_(words.view(torch.uint8))
+def trailers(buckets: list[int], version: int, digest: str, device: torch.device) -> torch.Tensor:
+    """The trailers of one sync's buckets, `[len(buckets), TRAILER_BYTES]` bytes on `device`, moved
+    there in one copy that does not wait: copied from host memory one bucket at a time, each
+    trailer made the sender's host wait for its stream (a blocking copy from pageable memory),
+    i.e. for the broadcasts queued before it."""
+    digest_word = _digest_words(digest)[0]
+    words = torch.tensor([[TRAILER_MAGIC, version, b, digest_word] for b in buckets], dtype=torch.int64)
+    return words.view(torch.uint8).to(device, non_blocking=True)
 
 
 def check_trailer(buf: torch.Tensor, at: int, version: int, bucket: int, digest: str) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from opkd_mcore.weight_sync.copy_replay import BucketReplay, replay_key
 from opkd_mcore.weight_sync.plan import Bucket, BucketPlan, TensorSlot
-from opkd_mcore.weight_sync.protocol import TRAILER_BYTES, ControlChannel, plan_header, write_trailer
+from opkd_mcore.weight_sync.protocol import TRAILER_BYTES, ControlChannel, plan_header, trailers
 from opkd_mcore.weight_sync.transport import PendingTransfer, WeightTransport
 
 logger = logging.getLogger(__name__)
@@ -94,14 +94,16 @@ class WeightSender:
         replaying = self.replay is not None and \
             all(self.replay.replayable(self._key(i)) for i in range(len(self.buckets)))
         self.stats.last_replayed = 0
+        tails = trailers([b.index for b in self.buckets], version, self.plan.digest(),
+                         self._buffers[0].device)
         # bucket 0 is packed before the header goes out: on accelerators the work after the header
         # waits for it, and so for the receivers to arrive, so packing it first takes it off the path
-        pack_s = self._pack_bucket(0, stream, version, replaying) if self.buckets else 0.0
+        pack_s = self._pack_bucket(0, stream, tails, replaying) if self.buckets else 0.0
         self._handshake(control, version)
         wait_s = 0.0
         for i, bucket in enumerate(self.buckets):
             if i > 0:  # overlaps the transfer of bucket i-1
-                pack_s += self._pack_bucket(i, stream, version, replaying)
+                pack_s += self._pack_bucket(i, stream, tails, replaying)
             t1 = time.perf_counter()
             if pending is not None:
                 pending.wait(timeout)
@@ -122,9 +124,10 @@ class WeightSender:
                     len(self.buckets), self.stats.bytes_sent / self.stats.syncs / 1e6, self.stats.last_sync_s)
         return self.stats
 
-    def _pack_bucket(self, i: int, stream: Iterator[tuple[str, torch.Tensor]], version: int,
+    def _pack_bucket(self, i: int, stream: Iterator[tuple[str, torch.Tensor]], tails: torch.Tensor,
                      replaying: bool) -> float:
-        """Bucket i into its buffer (packed, or replayed), then its trailer; returns host seconds."""
+        """Bucket i into its buffer (packed, or replayed), then its trailer (row i of `tails`);
+        returns host seconds."""
         start, bucket, buf = time.perf_counter(), self.buckets[i], self._buffers[i % 2]
         if self.replay is None:
             self._pack(bucket, buf, stream)
@@ -132,7 +135,7 @@ class WeightSender:
             # all or none: a replayed bucket would leave its tensors unread in the stream
             self.stats.last_replayed += self.replay.run(
                 self._key(i), buf, lambda: self._pack(bucket, buf, stream), may_replay=replaying)
-        write_trailer(buf, bucket.nbytes, version, bucket.index, self.plan.digest())
+        buf[bucket.nbytes:bucket.nbytes + TRAILER_BYTES].copy_(tails[i])
         return time.perf_counter() - start
 
     def _key(self, i: int) -> tuple:

@@ -118,21 +118,26 @@ class VllmSyncHandle:
         self.last_receive_t: dict[str, float] = {}
 
     def _post(self, calls: dict[str, tuple]) -> dict[str, cf.Future]:
-        """Engine-core calls `name -> (method, *args)`, run in order; an in-process engine core
-        (no posted calls) runs them in order on the handle's thread, under one future "all"."""
+        """Engine-core calls `name -> (method, *args)`, run in order, a future each; an in-process
+        engine core (no posted calls) runs them in order on the handle's thread."""
         if not self.posts:
-            return {"all": self._pool.submit(self._call_in_order, calls)}
+            futures = {name: cf.Future() for name in calls}
+            self._pool.submit(self._call_in_order, calls, futures)
+            return futures
         with self._send_lock:
             return {name: post_engine_call(self.llm, *call) for name, call in calls.items()}
 
-    def _call_in_order(self, calls: dict[str, tuple]) -> dict[str, Any]:
+    def _call_in_order(self, calls: dict[str, tuple], futures: dict[str, cf.Future]) -> None:
         engine = self.llm.llm_engine  # its methods take the engine core's arguments
-        return {name: getattr(engine, method)(*args) for name, (method, *args) in calls.items()}
+        for name, (method, *args) in calls.items():
+            try:
+                futures[name].set_result(getattr(engine, method)(*args))
+            except Exception as err:  # noqa: BLE001  (handed to whoever awaits the call)
+                futures[name].set_exception(err)
 
     def _worker_call(self, method: str, *args) -> cf.Future:
         """`collective_rpc(method, args)` on every worker; the future holds their answers."""
-        parts = self._post({"call": ("collective_rpc", method, None, args, None)})
-        return _when_all(parts, lambda answers: answers.get("all", answers)["call"])
+        return self._post({"call": ("collective_rpc", method, None, args, None)})["call"]
 
     def join_async(self, groups: list[TransportConfig], *, rank_offset: int = 1,
                    check_plan: bool = True, transport: str = "group") -> cf.Future:
@@ -158,7 +163,7 @@ class VllmSyncHandle:
         t["sent"] = time.monotonic()
         for name, f in parts.items():
             f.add_done_callback(lambda _, name=name: t.setdefault(name, time.monotonic()))
-        return _when_all(parts, lambda answers: self._received(answers.get("all", answers)))
+        return _when_all(parts, self._received)
 
     @staticmethod
     def _received(answers: dict[str, Any]) -> list[int]:
