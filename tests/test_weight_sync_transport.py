@@ -89,12 +89,14 @@ def _receiver_proc(rank, groups, num_syncs, die_after_buckets, queue, transport_
         receiver = BucketReceiver()
         receiver.join(groups, rank, transport=transport_name)
         loaded: list[dict] = []
-        counter = {"buckets": 0}
+        counter = {"buckets": 0, "in_place": 0}
 
         def load(named):
             counter["buckets"] += 1
             if counter["buckets"] > die_after_buckets:
                 os._exit(17)  # dies mid-sync, without a goodbye
+            held = {b.untyped_storage().data_ptr() for b in receiver.buffers()}
+            counter["in_place"] += all(t.untyped_storage().data_ptr() in held for _, t in named)
             loaded[-1].update({n: _digest(t) for n, t in named})
 
         versions = []
@@ -102,6 +104,8 @@ def _receiver_proc(rank, groups, num_syncs, die_after_buckets, queue, transport_
             loaded.append({})
             versions.append(receiver.receive(load))
         s = receiver.stats
+        if transport_name == "colocated_ipc":  # views of the sender's buffers, which it names
+            assert counter["in_place"] == counter["buckets"], counter
         queue.put(("receiver", rank, (versions, loaded, s.plan_parses, s.buffer_allocations, s.buffer_ptrs)))
         receiver.close()
     except BaseException:
@@ -144,7 +148,9 @@ def test_two_stages_two_receivers_bitwise_and_reuse():
 
 
 def test_colocated_ipc_transport_over_shared_memory():
-    """The colocated path with CPU shared memory standing in for device IPC handles."""
+    """The colocated path with CPU shared memory standing in for device IPC handles. The receiver
+    reads the sender's buffers in place (every loaded view is in a buffer it names) and allocates
+    none of its own."""
     queue = mp.get_context("spawn").Queue()
     group = TransportConfig(port=free_port(), world_size=2, timeout_s=60)
     versions = [1, 2]
@@ -156,7 +162,7 @@ def test_colocated_ipc_transport_over_shared_memory():
     assert "error" not in results, results["error"][2]
     assert results["sender"][2] == (1, 2, 2)
     got_versions, loaded, plan_parses, allocations, _ = results["receiver"][2]
-    assert got_versions == versions and plan_parses == 1 and allocations == 2
+    assert got_versions == versions and plan_parses == 1 and allocations == 0
     for v, received in zip(versions, loaded):
         assert received == {n: _digest(t) for n, t in _stage_tensors(0, v)}
 
@@ -177,7 +183,7 @@ def test_colocated_ipc_receivers_never_unpickle_and_stay_bitwise():
     receivers = [r for r in results if r[0] == "receiver"]
     assert len(receivers) == 2
     for _, rank, (got_versions, loaded, _, allocations, _) in receivers:
-        assert got_versions == versions and allocations == 2
+        assert got_versions == versions and allocations == 0  # both read the sender's buffers in place
         for v, received in zip(versions, loaded):
             assert received == {n: _digest(t) for n, t in _stage_tensors(0, v)}, f"receiver {rank} v{v}"
 

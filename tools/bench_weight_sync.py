@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--trainer-cpus", type=int, default=0,
                    help="--e2e: pin the trainer to this many CPUs and the engine to the rest (0: as started)")
     p.add_argument("--model-dir", default=None, help="--e2e: HF checkpoint to use (default: random, --shape)")
+    p.add_argument("--tp-export", default="auto", help="--e2e: weight_sync.tp_export (auto | gather | peer)")
+    p.add_argument("--profile", default=None, help="--e2e: profile one more sync, tables to PREFIX_rank{r}.txt")
     return p.parse_args(argv)
 
 

@@ -11,6 +11,10 @@ transfer of the same bytes in the same message size is the ceiling:
     tp1-coloc     1 rank on GPU 0        GPU 0         colocated_ipc   IPC copy on GPU 0
     tp2-coloc     2 ranks on GPU 0, 1    GPU 0         colocated_ipc   IPC copy on GPU 0
 
+For the colocated layouts the run also times the issue's yardstick, an NCCL broadcast of the same
+bytes from GPU 1 to GPU 0 (`raw_nccl_s`). `--profile PREFIX`: one more sync under torch.profiler on
+every trainer rank, its tables in PREFIX_rank{r}.txt.
+
     python tools/bench_weight_sync.py --e2e --shape qwen3-8b --layout tp1-disagg --iters 5
 """
 from __future__ import annotations
@@ -59,6 +63,7 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
     cfg.parallel.tp = tp
     cfg.rollout.gpu_memory_utilization, cfg.rollout.max_model_len = 0.3, 256
     cfg.weight_sync.bucket_mb, cfg.weight_sync.transport = args.bucket_mb, transport
+    cfg.weight_sync.tp_export = args.tp_export
     rollout = build_rollout(cfg) if rank == 0 else None  # vLLM's worker takes GPU 0
     if rollout is not None and args.trainer_cpus:
         _split_cpus(args.trainer_cpus)
@@ -75,6 +80,8 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
             phases.append(_phases(syncer) if rank == 0 else None)
+    if args.profile:
+        _profiled_sync(syncer, args.warmup + args.iters + 1, f"{args.profile}_rank{rank}.txt")
     rpc = _idle_rpc(syncer.link.handle) if syncer.link.handle is not None else None
     stats = syncer.link.source.sender.stats if syncer.link.source.sender is not None else None
     plan = syncer.link.source.plan
@@ -87,6 +94,20 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
     syncer.close()
     if rollout is not None:
         rollout.shutdown()
+
+
+def _profiled_sync(syncer, version: int, path: str) -> None:
+    """One more sync under torch.profiler (host and device): the ops by host time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.distributed.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        syncer.sync(version)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    with open(path, "w") as f:
+        for key in ("cpu_time_total", "self_cpu_time_total", "device_time_total"):
+            f.write(f"sorted by {key}\n{events.table(sort_by=key, row_limit=30, max_name_column_width=70)}\n")
 
 
 def _phases(syncer) -> dict:
@@ -146,8 +167,9 @@ def _split_cpus(n: int) -> None:
                 pass
 
 
-def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, queue) -> None:
-    """Sender on the trainer's GPU, receiver on the engine's GPU: the same bytes, the same chunks."""
+def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, transport_name: str, queue) -> None:
+    """Sender on the trainer's GPU (for NCCL: GPU 1), receiver on the engine's GPU 0: the same
+    bytes, the same chunks (colocated: one copy out of the sender's buffers into the receiver's)."""
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +177,7 @@ def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, queue) -> Non
 
     from opkd_mcore.weight_sync import TransportConfig, make_transport
 
-    _, first_gpu, transport_name = LAYOUTS[args.layout]
+    first_gpu = LAYOUTS[args.layout][1] if transport_name != "group" else 1
     torch.cuda.set_device(first_gpu if rank == 0 else 0)
     transport = make_transport(transport_name, TransportConfig(port=port, world_size=2, timeout_s=600), rank)
     transport.connect()
@@ -187,24 +209,32 @@ def run_e2e(args) -> dict:
     # printed before the raw transfer runs: a time limit that cuts the run short keeps this half
     print(f"e2e syncs done: {args.layout} {args.shape}, {e2e['total_bytes'] / 1e9:.2f} GB, "
           f"seconds {e2e['sync_s']}, phases {e2e['phases'][-1]}", flush=True)
-    raw = dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"], e2e["max_bucket"]))
+    transport = LAYOUTS[args.layout][2]
+    raw = dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"], e2e["max_bucket"], transport))
+    # the issue's yardstick for every layout: an NCCL broadcast of the same bytes between the GPUs
+    nccl = raw if transport == "group" else dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"],
+                                                       e2e["max_bucket"], "group"))
     gb = e2e["total_bytes"] / 1e9
-    sync_s, raw_s = median(e2e["sync_s"]), median(raw[1])
+    sync_s, raw_s, nccl_s = median(e2e["sync_s"]), median(raw[1]), median(nccl[1])
     phases = {k: round(median([p[k] for p in e2e["phases"]]), 4) for k in e2e["phases"][0]}
     return dict(mode="e2e", layout=args.layout, shape=args.shape, gbytes=round(gb, 3), buckets=e2e["buckets"],
                 bucket_mb=args.bucket_mb, sync_s=round(sync_s, 4), sync_gbps=round(gb / sync_s, 1),
                 raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
+                raw_nccl_s=round(nccl_s, 4), ratio_nccl=round(nccl_s / sync_s, 3),
                 engine_version=e2e["version"], device=e2e["device"], sync_all_s=e2e["sync_s"],
                 raw_all_s=raw[1], phases=phases, idle_rpc=e2e["idle_rpc"], cpus=e2e["cpus"],
-                trainer_cpus=args.trainer_cpus, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                trainer_cpus=args.trainer_cpus, tp_export=args.tp_export,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 torch=torch.__version__)
 
 
 def print_row(row: dict) -> None:
-    print("| layout | shape | GB | buckets | e2e sync s | e2e GB/s | raw s | raw GB/s | e2e / raw |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| layout | shape | GB | buckets | e2e sync s | e2e GB/s | raw s | raw GB/s | e2e / raw "
+          "| raw NCCL s | e2e / raw NCCL |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {row['layout']} | {row['shape']} | {row['gbytes']} | {row['buckets']} | {row['sync_s']} | "
-          f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} |")
+          f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} | "
+          f"{row['raw_nccl_s']} | {row['ratio_nccl']:.0%} |")
     print("host seconds by phase (medians):", ", ".join(f"{k} {v}" for k, v in row["phases"].items()))
     if row.get("idle_rpc"):
         print("an engine call alone:", ", ".join(f"{k} {v}" for k, v in row["idle_rpc"].items()))

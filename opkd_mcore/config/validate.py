@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 DEVICES = (None, *DEVICE_TYPES)
 TRANSPORTS = ("auto", "group", "colocated_ipc")  # "auto" + keys of weight_sync.transport.TRANSPORTS
+TP_EXPORTS = ("auto", "gather", "peer")  # weight_sync.peer_export.TP_EXPORTS
 
 
 def teacher_output(t: TeacherEndpoint) -> str:
@@ -300,6 +301,7 @@ def _check_weight_sync(cfg: TrainConfig) -> None:
     positive("weight_sync.bucket_mb", ws.bucket_mb)
     positive("weight_sync.every_steps", ws.every_steps)
     choice("weight_sync.transport", ws.transport, TRANSPORTS)
+    choice("weight_sync.tp_export", ws.tp_export, TP_EXPORTS)
     if not ws.host or any(c.isspace() for c in ws.host) or "://" in ws.host:
         raise ConfigError(f"weight_sync.host: expected a host name or IP address (no scheme, no "
                           f"spaces), got {ws.host!r}")

@@ -13,6 +13,7 @@ from opkd_mcore.models.weights import (
     iter_hf_weights,
     load_hf_weights,
     save_hf_checkpoint,
+    shard_writes,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "load_hf_weights",
     "padded_vocab_size",
     "save_hf_checkpoint",
+    "shard_writes",
 ]

@@ -256,6 +256,50 @@ def _views_to_hf(lp: _LocalParam, layout: ModelLayout) -> dict[str, torch.Tensor
     raise ValueError(f"unknown tensor rule kind {kind!r}")
 
 
+def _shard_in_hf(lp: _LocalParam, layout: ModelLayout, name: str,
+                 hf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the part of HF tensor `name`, given as `hf` in its HF shape, that this TP rank's shard of
+    `lp.param` holds; that part of the shard), or None where another rank writes it (a replicated
+    tensor: TP rank 0 does). The inverse of `_read_owned`, for an export in which every TP rank
+    writes its own shard into place (the weight sync's peer export)."""
+    rank, size, _ = _tp(lp.rule.is_expert)
+    kind, w = lp.rule.kind.removeprefix("expert_"), lp.param.detach()
+    part, tail = lp.hf_names.index(name), w.shape[1:]
+    if kind == "replicated":
+        return (hf, w) if rank == 0 else None
+    if kind == "row":
+        return hf.view(hf.shape[0], size, -1)[:, rank], w
+    if kind == "vocab":
+        start = rank * w.shape[0]
+        stop = min(start + w.shape[0], layout.vocab_size)  # the padding rows go nowhere
+        return (hf[start:stop], w[:stop - start]) if stop > start else None
+    if kind == "gate_up":
+        rows = w.shape[0] // 2
+        return hf.view(size, rows, *tail)[rank], w[part * rows:(part + 1) * rows]
+    if kind == "qkv":
+        d, groups = layout.bridge.head_dim, layout.bridge.num_query_groups
+        q_rows = layout.bridge.hf_config.num_attention_heads // groups * d
+        local, rows = groups // size, (q_rows, d, d)[part]
+        mine = w.view(local, q_rows + 2 * d, *tail).split([q_rows, d, d], dim=1)[part]
+        return hf.view(groups, rows, *tail)[rank * local:(rank + 1) * local], mine
+    raise ValueError(f"unknown tensor rule kind {kind!r}")
+
+
+def shard_writes(model_chunks, named_hf: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pairs that fill this TP rank's part of each HF tensor in `named_hf`
+    (name, a tensor in the HF shape, e.g. a view into a weight-sync bucket) from its own shards:
+    every TP rank copying its pairs fills the tensors whole, without a collective."""
+    layout, producers = layout_of(model_chunks), _producers(model_chunks)
+    out = []
+    for name, hf in named_hf:
+        if name not in producers:
+            raise RuntimeError(f"no local parameter produces {name!r} on PP stage {layout.pp_rank}")
+        pair = _shard_in_hf(producers[name], layout, name, hf)
+        if pair is not None:
+            out.append(pair)
+    return out
+
+
 def _producers(model_chunks) -> dict[str, _LocalParam]:
     out: dict[str, _LocalParam] = {}
     for lp in _local_params(model_chunks):

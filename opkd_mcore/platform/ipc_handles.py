@@ -164,14 +164,19 @@ def _text(blob: bytes, what: str) -> str:
     return text
 
 
-def open_ipc_handle(h: IpcHandleFields, what: str) -> torch.Tensor:
-    """Map the sender's buffer described by checked fields; a uint8 view of its bytes."""
+def open_ipc_handle(h: IpcHandleFields, what: str, peer: bool = False) -> torch.Tensor:
+    """Map the sender's buffer described by checked fields; a uint8 view of its bytes.
+
+    `peer`: map a device buffer into this process's current device through peer access (the
+    tensor is labelled with that device; its bytes stay on the sender's), so kernels of this
+    device write it over the interconnect; no context is created on the sender's device. The
+    sender's buffer must not be in use when it is mapped (its stream is not waited for)."""
     try:
         if h.kind == SHM_FILE:
             storage = torch.UntypedStorage._new_shared_filename_cpu(
                 h.field("manager"), h.field("name"), h.field("storage_nbytes"))
         else:
-            storage = _open_cuda(h, what)
+            storage = _open_cuda(h, what, peer)
     except RuntimeError as err:  # gone segment, foreign handle, wrong device: say which buffer
         raise IpcHandleError(f"{what}: could not map the sender's {_NAMES[h.kind]} buffer ({err})") from err
     if storage.nbytes() != h.field("storage_nbytes"):
@@ -181,12 +186,13 @@ def open_ipc_handle(h: IpcHandleFields, what: str) -> torch.Tensor:
     return view.set_(storage, h.field("byte_offset"), (h.field("numel"),))
 
 
-def _open_cuda(h: IpcHandleFields, what: str) -> torch.UntypedStorage:
+def _open_cuda(h: IpcHandleFields, what: str, peer: bool = False) -> torch.UntypedStorage:
     torch.cuda._lazy_init()
-    if h.field("device") >= torch.cuda.device_count():
-        raise IpcHandleError(f"{what}: device {h.field('device')} does not exist here "
+    device = torch.cuda.current_device() if peer else h.field("device")
+    if device >= torch.cuda.device_count():
+        raise IpcHandleError(f"{what}: device {device} does not exist here "
                              f"({torch.cuda.device_count()} visible)")
     return torch.UntypedStorage._new_shared_cuda(
-        h.field("device"), h.field("handle"), h.field("storage_nbytes"), h.field("storage_offset_bytes"),
+        device, h.field("handle"), h.field("storage_nbytes"), h.field("storage_offset_bytes"),
         h.field("ref_counter"), h.field("ref_counter_offset"), h.field("event_handle"),
-        bool(h.field("event_sync_required")))
+        bool(h.field("event_sync_required")) and not peer)

@@ -2,8 +2,9 @@
 
 `BucketReceiver` is what the vLLM worker extension (`receiver.py`) and the benchmark's stand-in
 receiver both use. It keeps one transport per PP stage group, the accepted plan, and two receive
-buffers reused across syncs. Stage groups are drained one after another (stage 0 first); within a
-stage, receiving bucket i+1 overlaps loading bucket i.
+buffers reused across syncs (none where the transport lends the sender's buffers: colocated).
+Stage groups are drained one after another (stage 0 first); within a stage, receiving bucket i+1
+overlaps loading bucket i.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from opkd_mcore.weight_sync.copy_replay import BucketReplay, replay_key
 from opkd_mcore.weight_sync.plan import Bucket, BucketPlan, PlanMismatchError
 from opkd_mcore.weight_sync.protocol import TRAILER_BYTES, ControlChannel, SyncHeader, check_trailer
-from opkd_mcore.weight_sync.transport import TransportConfig, WeightTransport, make_transport
+from opkd_mcore.weight_sync.transport import PendingTransfer, TransportConfig, WeightTransport, make_transport
 
 logger = logging.getLogger(__name__)
 
@@ -120,15 +121,17 @@ class BucketReceiver:
         if len(buckets) != header.num_buckets:
             raise PlanMismatchError(f"stage {header.stage}: header announces {header.num_buckets} buckets, "
                                     f"plan has {len(buckets)}")
-        self._ensure_buffers(plan, transport)
+        if not transport.lends_buffers:
+            self._ensure_buffers(plan, transport)
         timeout = transport.cfg.timeout_s
-        pending = transport.broadcast(self._buffers[0], buckets[0].nbytes + TRAILER_BYTES) if buckets else None
+        pending = self._post(transport, buckets, 0) if buckets else None
         for i, bucket in enumerate(buckets):
             t0 = time.perf_counter()
             pending.wait(timeout)
-            buf = self._buffers[i % 2]
+            current = pending
+            buf = current.landed if current.landed is not None else self._buffers[i % 2]
             if i + 1 < len(buckets):  # the other buffer's bucket is fully loaded by now
-                pending = transport.broadcast(self._buffers[(i + 1) % 2], buckets[i + 1].nbytes + TRAILER_BYTES)
+                pending = self._post(transport, buckets, i + 1)
             # checked after posting the next receive: the check waits for the bytes on the host
             check_trailer(buf, bucket.nbytes, header.version, bucket.index, plan.digest())
             t1 = time.perf_counter()
@@ -138,14 +141,24 @@ class BucketReceiver:
             else:
                 key = replay_key(plan.digest(), bucket.index, buf)
                 self.stats.last_replayed += replay.run(key, buf, load)
+            current.release()  # a lent buffer goes back to the sender once the load has read it
             self.stats.last_wait_s += t1 - t0
             self.stats.last_load_s += time.perf_counter() - t1
             self.stats.bytes_received += bucket.nbytes
         return header.version
 
+    def _post(self, transport: WeightTransport, buckets: list[Bucket], i: int) -> PendingTransfer:
+        """Bucket i's transfer: read in place where the transport lends the sender's buffers (one
+        copy fewer), else into receive buffer i % 2."""
+        nbytes = buckets[i].nbytes + TRAILER_BYTES
+        if transport.lends_buffers:
+            return transport.receive_lent(nbytes)
+        return transport.broadcast(self._buffers[i % 2], nbytes)
+
     def buffers(self) -> list[torch.Tensor]:
-        """The receive buffers: `load_fn` gets views into them, valid until the next bucket lands."""
-        return list(self._buffers)
+        """The buffers `load_fn` gets views into (its own, or those lent by the senders), valid until
+        the next bucket lands."""
+        return list(self._buffers) + [b for t in self.transports for b in t.lent_buffers()]
 
     @staticmethod
     def views(plan: BucketPlan, bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

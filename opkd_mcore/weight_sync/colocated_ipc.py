@@ -2,11 +2,14 @@
 
 The sender's two bucket buffers (and the small header/plan buffers) are exported once as IPC
 handles; afterwards each transfer is a short control message (buffer id, byte count) over a CPU gloo
-group, a device-to-device copy on the receiver into its own reused buffer, and an acknowledgement.
-The sender waits for the acknowledgement before it reuses a buffer, so a buffer is never overwritten
-while a receiver still reads it. On accelerators the handles are device IPC handles; on CPU the
-buffers live in shared memory (sharing strategy "file_system"), which is how this path is tested on a
-CPU-only machine.
+group and an acknowledgement. A bucket receiver reads the sender's buffer in place
+(`receive_lent`): its loaders copy each byte once, from the sender's bucket into the engine's
+weights, and it acknowledges once those copies are done; `broadcast` (headers, the plan) copies
+into the receiver's own buffer and acknowledges at once. The sender waits for the
+acknowledgement before it reuses a buffer, so a buffer is never overwritten while a receiver still
+reads it; with two buffers, packing one overlaps the receivers' load of the other. On accelerators
+the handles are device IPC handles; on CPU the buffers live in shared memory (sharing strategy
+"file_system"), which is how this path is tested on a CPU-only machine.
 
 The control group is not authenticated, so nothing received is unpickled: a handle travels as plain
 numbers and byte strings (`opkd_mcore.platform.ipc_handles`), checked before anything is mapped.
@@ -47,6 +50,20 @@ class _Lazy(PendingTransfer):
 
     def wait(self, timeout_s: float) -> None:
         self.fn()
+
+
+class _Lent(PendingTransfer):
+    """The next transfer read in place: `landed` is the sender's buffer until `release()`."""
+
+    def __init__(self, transport: "ColocatedIpcTransport", nbytes: int):
+        self.transport, self.nbytes = transport, nbytes
+
+    def wait(self, timeout_s: float) -> None:
+        self.landed = self.transport._next_shared(self.nbytes)
+
+    def release(self) -> None:
+        _sync_device()  # the receiver's reads must be done before the sender refills the buffer
+        self.transport._ack()
 
 
 class ColocatedIpcTransport(WeightTransport):
@@ -96,7 +113,25 @@ class ColocatedIpcTransport(WeightTransport):
                 self._control_bcast(raw)
         return _Lazy(self._ack)
 
+    @property
+    def lends_buffers(self) -> bool:
+        return not self.is_sender
+
+    def receive_lent(self, nbytes: int) -> PendingTransfer:
+        if self.is_sender:
+            raise RuntimeError("receive_lent: the sender has nothing to receive")
+        return _Lent(self, nbytes)
+
+    def lent_buffers(self) -> list[torch.Tensor]:
+        return list(self._shared.values())
+
     def _receive_into(self, buf: torch.Tensor, nbytes: int) -> None:
+        buf[:nbytes].copy_(self._next_shared(nbytes))
+        _sync_device()
+        self._ack()
+
+    def _next_shared(self, nbytes: int) -> torch.Tensor:
+        """The sender's next message: its buffer's first `nbytes`, mapped (once per buffer) and checked."""
         self._control_bcast(self._msg)
         buf_id, sent_nbytes, num_words, num_bytes = self._msg.tolist()
         what = f"colocated buffer {buf_id} on {self.cfg.host}:{self.cfg.port}"
@@ -111,9 +146,7 @@ class ColocatedIpcTransport(WeightTransport):
         if nbytes > shared.numel():
             raise IpcHandleError(f"{what}: {nbytes} bytes announced, the shared buffer holds "
                                  f"{shared.numel()}")
-        buf[:nbytes].copy_(shared[:nbytes])
-        _sync_device()
-        self._ack()
+        return shared[:nbytes]
 
     def _receive_handle(self, what: str, num_words: int, num_bytes: int) -> torch.Tensor:
         if not 0 < num_words <= _MAX_HANDLE_WORDS or not 0 <= num_bytes <= _MAX_HANDLE_BYTES:

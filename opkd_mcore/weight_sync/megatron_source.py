@@ -29,6 +29,7 @@ import torch.distributed as dist
 from opkd_mcore.platform import current_device
 
 from opkd_mcore.weight_sync.copy_replay import ModelStorages, replay_over
+from opkd_mcore.weight_sync.peer_export import TP_EXPORTS, PeerExport
 from opkd_mcore.weight_sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from opkd_mcore.weight_sync.sender import SenderStats, WeightSender
 from opkd_mcore.weight_sync.transport import TransportConfig, make_transport
@@ -47,6 +48,7 @@ class SyncGroupsConfig:
     join_timeout_s: float | None = None  # group creation (waits for the engine to start); None = timeout_s
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # bucket size of the plan (a larger tensor goes alone)
     transport: str = "group"  # a name registered in weight_sync.transport.TRANSPORTS
+    tp_export: str = "auto"  # TP > 1, dense: peer (TP ranks write into the sender's buckets) | gather | auto
 
     def stage_groups(self, num_stages: int) -> list[TransportConfig]:
         """One group per source (`num_stages` = pp * ep; pp for a dense model)."""
@@ -145,6 +147,16 @@ class MegatronWeightSync:
         if self.source is not None:
             transport = make_transport(cfg.transport, self.groups[self.source], rank=0)
             self.sender = WeightSender(self.plan, transport, self.source)
+        self.peer: PeerExport | None = None  # built at the first sync where it applies
+        self._peer_checked = False
+        self._check_tp_export()
+
+    def _check_tp_export(self) -> None:
+        if self.cfg.tp_export not in TP_EXPORTS:
+            raise ValueError(f"tp_export: expected one of {TP_EXPORTS}, got {self.cfg.tp_export!r}")
+        if self.cfg.tp_export == "peer" and self.ep > 1:
+            raise ValueError(f"weight_sync.tp_export=peer: dense models only (this one has expert "
+                             f"parallelism {self.ep}); use gather or auto")
 
     def bind(self) -> list[TransportConfig]:
         """Collective over every trainer rank: stage owners hold their group's port (moving to a free
@@ -166,6 +178,8 @@ class MegatronWeightSync:
         from opkd_mcore.models import iter_hf_weights
 
         stage = _ranks()[0]
+        if self._peer_export() is not None:
+            return self._sync_peer(version)
         error: BaseException | None = None
         alone = self._exports_alone()
         if alone:
@@ -185,6 +199,47 @@ class MegatronWeightSync:
                 for _ in stream:
                     pass
         _agree(error, shared=takes_part_in_export(), experts=takes_part_in_expert_export() and self.ep > 1)
+        return self.sender.stats if self.sender is not None else None
+
+    def _peer_export(self) -> PeerExport | None:
+        """The peer export where it applies (a dense model's TP > 1 exporting replica, tp_export
+        peer or auto, every TP rank able to map the sender's buffers); decided at the first sync."""
+        from megatron.core import parallel_state as ps
+
+        if self._peer_checked:
+            return self.peer
+        self._peer_checked = True
+        tp = ps.get_tensor_model_parallel_world_size()
+        if self.cfg.tp_export == "gather" or tp == 1 or self.ep > 1 or not takes_part_in_export():
+            return None
+        (source,) = self.sources
+        peer = PeerExport(self.model_chunks, self.plan, source, ps.get_tensor_model_parallel_group(),
+                          self._storages.current)
+        buffers = self.sender.buffers() if self.sender is not None else None
+        if peer.connect(buffers, required=self.cfg.tp_export == "peer"):
+            self.peer = peer
+        return self.peer
+
+    def _sync_peer(self, version: int) -> SenderStats | None:
+        """The peer export's sync: the sender fills its part of each bucket and seals it; the other
+        TP ranks write theirs (see `peer_export.py`)."""
+        error: BaseException | None = None
+        if self.sender is None:
+            self.peer.run_peer()
+        else:
+            sealed = 0
+
+            def seal():
+                nonlocal sealed
+                self.peer.seal()
+                sealed += 1
+            try:
+                self.sender.sync((), version, fill=self.peer.write, seal=seal)
+            except Exception as err:  # noqa: BLE001  (re-raised below, after the peers are released)
+                error = err
+            for _ in range(len(self.peer.buckets) - sealed):  # the peers wait for every bucket's seal
+                self.peer.seal()
+        _agree(error, shared=True, experts=False)
         return self.sender.stats if self.sender is not None else None
 
     def _exports_alone(self) -> bool:

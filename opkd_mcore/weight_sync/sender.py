@@ -13,7 +13,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -65,12 +65,17 @@ class WeightSender:
         if self._control is None:
             self.transport.connect()
             self._control = ControlChannel(self.transport)
+        self.buffers()
+        return self._control
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The two bucket buffers (allocated on first use, then reused): bucket i goes in i % 2."""
         if not self._buffers:
             nbytes = self.plan.max_bucket_nbytes(self.stage) + TRAILER_BYTES
             self._buffers = [self.transport.alloc_buffer(nbytes) for _ in range(2)]
             self.stats.buffer_allocations += 2
             self.stats.buffer_ptrs = [b.data_ptr() for b in self._buffers]
-        return self._control
+        return self._buffers
 
     def _handshake(self, control: ControlChannel, version: int) -> None:
         first = control.handshaken_digest != self.plan.digest()
@@ -82,8 +87,14 @@ class WeightSender:
             control.handshaken_digest = self.plan.digest()
             self.stats.handshakes += 1
 
-    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SenderStats:
-        """Send every tensor of this stage, stamped with `version`; returns the updated stats."""
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+             fill: Callable[[int, torch.Tensor], None] | None = None,
+             seal: Callable[[], None] | None = None) -> SenderStats:
+        """Send every tensor of this stage, stamped with `version`; returns the updated stats.
+
+        `fill(i, buffer)` packs bucket i in place of the stream (whose tensors then go unread), and
+        `seal()` runs before each bucket is sent, once the buffer of the bucket before it is free
+        again: the peer export (`peer_export.py`) writes the other TP ranks' shards in between."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version: expected a non-negative int, got {version!r}")
         start = time.perf_counter()
@@ -98,23 +109,25 @@ class WeightSender:
                          self._buffers[0].device)
         # bucket 0 is packed before the header goes out: on accelerators the work after the header
         # waits for it, and so for the receivers to arrive, so packing it first takes it off the path
-        pack_s = self._pack_bucket(0, stream, tails, replaying) if self.buckets else 0.0
+        pack_s = self._pack_bucket(0, stream, tails, replaying, fill) if self.buckets else 0.0
         self._handshake(control, version)
         wait_s = 0.0
         for i, bucket in enumerate(self.buckets):
             if i > 0:  # overlaps the transfer of bucket i-1
-                pack_s += self._pack_bucket(i, stream, tails, replaying)
+                pack_s += self._pack_bucket(i, stream, tails, replaying, fill)
             t1 = time.perf_counter()
             if pending is not None:
                 pending.wait(timeout)
             wait_s += time.perf_counter() - t1
+            if seal is not None:
+                seal()
             pending = self.transport.broadcast(self._buffers[i % 2], bucket.nbytes + TRAILER_BYTES)
             self.stats.bytes_sent += bucket.nbytes
         t1 = time.perf_counter()
         if pending is not None:
             pending.wait(timeout)
         self.stats.last_pack_s, self.stats.last_wait_s = pack_s, wait_s + time.perf_counter() - t1
-        leftover = None if replaying else next(stream, None)
+        leftover = None if replaying or fill is not None else next(stream, None)
         if leftover is not None:
             raise ValueError(f"named_tensors: tensor {leftover[0]!r} is not in stage {self.stage}'s plan "
                              "(stream longer than the plan)")
@@ -125,16 +138,16 @@ class WeightSender:
         return self.stats
 
     def _pack_bucket(self, i: int, stream: Iterator[tuple[str, torch.Tensor]], tails: torch.Tensor,
-                     replaying: bool) -> float:
-        """Bucket i into its buffer (packed, or replayed), then its trailer (row i of `tails`);
-        returns host seconds."""
+                     replaying: bool, fill: Callable[[int, torch.Tensor], None] | None) -> float:
+        """Bucket i into its buffer (packed, filled, or replayed), then its trailer (row i of
+        `tails`); returns host seconds."""
         start, bucket, buf = time.perf_counter(), self.buckets[i], self._buffers[i % 2]
+        pack = (lambda: fill(i, buf)) if fill is not None else (lambda: self._pack(bucket, buf, stream))
         if self.replay is None:
-            self._pack(bucket, buf, stream)
+            pack()
         else:
             # all or none: a replayed bucket would leave its tensors unread in the stream
-            self.stats.last_replayed += self.replay.run(
-                self._key(i), buf, lambda: self._pack(bucket, buf, stream), may_replay=replaying)
+            self.stats.last_replayed += self.replay.run(self._key(i), buf, pack, may_replay=replaying)
         buf[bucket.nbytes:bucket.nbytes + TRAILER_BYTES].copy_(tails[i])
         return time.perf_counter() - start
 

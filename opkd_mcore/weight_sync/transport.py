@@ -35,8 +35,16 @@ class TransportConfig:
 class PendingTransfer(ABC):
     """An in-flight transfer; `wait` raises WeightSyncTimeout when the peer does not finish in time."""
 
+    # where the bytes are once `wait` returned, for a transfer from `receive_lent` (the sender's own
+    # buffer); None: in the buffer given to `broadcast`
+    landed: torch.Tensor | None = None
+
     @abstractmethod
     def wait(self, timeout_s: float) -> None: ...
+
+    def release(self) -> None:
+        """The receiver's reads of `landed` are queued: once they finish the sender may refill it
+        (a no-op for a transfer into the receiver's own buffer)."""
 
 
 class WeightTransport(ABC):
@@ -54,6 +62,21 @@ class WeightTransport(ABC):
     @property
     def is_sender(self) -> bool:
         return self.rank == SENDER_RANK
+
+    @property
+    def lends_buffers(self) -> bool:
+        """True on a receiver that reads the sender's buffers in place (`receive_lent`): a copy
+        into a buffer of its own would only move every byte once more on the same device."""
+        return False
+
+    def receive_lent(self, nbytes: int) -> PendingTransfer:
+        """Receiver of a lending transport: the next transfer, `landed` in the sender's buffer until
+        `release()` (which must come before the next transfer's `wait`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not lend its buffers")
+
+    def lent_buffers(self) -> list[torch.Tensor]:
+        """The sender's buffers a lending receiver has opened so far."""
+        return []
 
     def bind(self) -> int:
         """Sender: hold the group's port before the receivers are told it; returns the port (a

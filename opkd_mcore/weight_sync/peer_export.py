@@ -1,0 +1,125 @@
+"""Peer export: every TP rank writes its own shards straight into the sending rank's buckets.
+
+At TP > 1 the export used to all-gather each parameter to the sending rank, which then copied the
+gathered tensor into a bucket: the sender's device moved every byte three times (its own shard into
+the gather, the peers' shards in, the whole into the bucket), and where a vLLM engine shares that
+device those kernels took turns with the engine's load. Here the sender exports its two bucket
+buffers once as IPC handles, every other TP rank of the stage maps them on its own device (peer
+access: the bytes stay on the sender's device) and copies its part of each tensor into place
+(`models.shard_writes`), so every byte is written once, by the device that holds its shard.
+
+One all-reduce over the TP group per bucket orders the writes (`seal`). A peer writes bucket i after
+the seal of bucket i-1, which the sender runs only once the receivers have acknowledged bucket i-2
+(whose buffer bucket i reuses); the sender sends bucket i after its seal, i.e. after every peer's
+writes of it (stream order on each device). The sender runs every seal even when its sync fails,
+so the peers never wait for a bucket that is not coming.
+
+Needs the TP ranks of a stage on one host with peer access between their devices (or CPU shared
+memory). `tp_export: auto` uses it where every rank could map the buffers and all-gathers
+otherwise (logged); `peer` makes a rank that cannot map them an error.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from opkd_mcore.platform import current_device
+from opkd_mcore.platform.ipc_handles import decode_handles, encode_handles, export_ipc_handles, open_ipc_handle
+from opkd_mcore.weight_sync.plan import BucketPlan
+
+logger = logging.getLogger(__name__)
+
+TP_EXPORTS = ("auto", "gather", "peer")
+
+
+class PeerExport:
+    """One PP stage's peer export; built on every TP rank of the stage's exporting replica."""
+
+    def __init__(self, model_chunks, plan: BucketPlan, source: int, group,
+                 storages: Callable[[], set[int]]):
+        """`storages()`: the model's storage set, a new object whenever the parameters moved (then
+        the cached copy lists are made again)."""
+        self.model_chunks, self.plan, self.group, self.storages = model_chunks, plan, group, storages
+        self.buckets = plan.stage_buckets(source)
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.mapped: list[torch.Tensor] = []  # TP ranks > 0: the sender's two buffers
+        self._flag = torch.zeros(1, dtype=torch.int32, device=current_device())
+        self._pairs: dict[tuple[int, int], list] = {}
+        self._pairs_for: set[int] | None = None
+
+    def connect(self, buffers: list[torch.Tensor] | None, required: bool) -> bool:
+        """Collective over the TP group: the sender (TP rank 0) passes its bucket buffers, the others
+        None and map them. Returns whether every rank could; raises if `required` and one could not."""
+        reason = ""
+        for b in range(2):
+            words, raw = self._share(buffers[b] if self.rank == 0 else None)
+            if self.rank == 0 or reason:
+                continue
+            what = f"bucket buffer {b} of the weight-sync sender (TP rank 0)"
+            try:
+                handle = decode_handles(words, raw, what)[self.rank - 1]
+                self.mapped.append(open_ipc_handle(handle, what, peer=True))
+            except (ValueError, RuntimeError) as err:  # IpcHandleError is a ValueError
+                reason = str(err)
+        failed = torch.tensor([1 if reason else 0], dtype=torch.int32, device=current_device())
+        everyone = [torch.zeros_like(failed) for _ in range(self.size)]
+        dist.all_gather(everyone, failed, group=self.group)
+        bad = [r for r, f in enumerate(everyone) if f.item()]
+        if reason:
+            logger.warning("weight sync: TP rank %d cannot map the sender's buckets: %s", self.rank, reason)
+        if bad and required:
+            raise RuntimeError(f"weight_sync.tp_export=peer: TP rank(s) {bad} could not map the sending "
+                               "rank's bucket buffers (TP ranks on other hosts, or devices without peer "
+                               "access; each rank's log says why); use tp_export=gather or auto")
+        if bad:
+            logger.info("weight sync: TP rank(s) %s cannot map the sender's buckets; all-gathering instead", bad)
+            self.mapped = []
+        return not bad
+
+    def _share(self, buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0's handles of `buf` (one per peer) to every TP rank: sizes, then the encoded words."""
+        device, root = current_device(), dist.get_global_rank(self.group, 0)
+        if buf is not None:
+            words, raw = encode_handles(export_ipc_handles(buf, self.size - 1))
+        sizes = torch.tensor([words.numel(), raw.numel()] if buf is not None else [0, 0], device=device)
+        dist.broadcast(sizes, src=root, group=self.group)
+        n_words, n_raw = sizes.tolist()
+        moved = []
+        for t, n, dtype in ((words if buf is not None else None, n_words, torch.int64),
+                            (raw if buf is not None else None, n_raw, torch.uint8)):
+            on_device = t.to(device) if t is not None else torch.empty(n, dtype=dtype, device=device)
+            if n:
+                dist.broadcast(on_device, src=root, group=self.group)
+            moved.append(on_device.cpu())
+        return moved[0], moved[1]
+
+    def write(self, i: int, buf: torch.Tensor) -> None:
+        """Copy this rank's part of bucket i's tensors into `buf` (the sender's buffer i % 2)."""
+        for dst, src in self._pairs_of(i, buf):
+            dst.copy_(src)
+
+    def _pairs_of(self, i: int, buf: torch.Tensor) -> list:
+        from opkd_mcore.models import shard_writes
+
+        storages = self.storages()
+        if storages is not self._pairs_for:  # the parameters moved: views of the old ones are stale
+            self._pairs, self._pairs_for = {}, storages
+        key = (i, buf.data_ptr())
+        if key not in self._pairs:
+            slots = [self.plan.slots[j] for j in self.buckets[i].slots]
+            named = [(s.name, buf[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)) for s in slots]
+            self._pairs[key] = shard_writes(self.model_chunks, named)
+        return self._pairs[key]
+
+    def seal(self) -> None:
+        """The TP all-reduce that orders one bucket's writes (see the module docstring)."""
+        dist.all_reduce(self._flag, group=self.group)
+
+    def run_peer(self) -> None:
+        """A TP rank > 0's part of one sync: write every bucket, each after the seal before it."""
+        for i in range(len(self.buckets)):
+            self.write(i, self.mapped[i % 2])
+            self.seal()
