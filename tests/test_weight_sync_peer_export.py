@@ -15,16 +15,23 @@ from tests._dist import free_port, run_distributed
 from tests.test_weight_sync_transport import _digest, _receiver_proc, _start
 
 
-def _tp2_sender(rank, world, hf_dir, sync_cfg):
+def _tp2_sender(rank, world, hf_dir, sync_cfg, unmappable_rank=None):
     """Three syncs after changing the weights in place (the third after a parameter got new
     storage); per sync the gathering export's digests (the reference) and how many all-gathers
-    the sync itself ran."""
+    the sync itself ran. `unmappable_rank`: that TP rank cannot map the sender's buffers (as a
+    rank on another host, or whose process sees one device, could not)."""
     import torch.distributed as dist
 
     from opkd_mcore.models import build_model, iter_hf_weights, load_hf_config, load_hf_weights
+    from opkd_mcore.platform.ipc_handles import IpcHandleError
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.weight_sync import peer_export
     from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync
 
+    if rank == unmappable_rank:
+        def refuse(handle, what, peer=False):
+            raise IpcHandleError(f"{what}: could not map the sender's buffer (test: no peer access)")
+        peer_export.open_ipc_handle = refuse
     init_parallel(ParallelConfig(tp=2, seed=3))
     try:
         chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32)
@@ -60,8 +67,10 @@ def _tp2_sender(rank, world, hf_dir, sync_cfg):
         destroy_parallel()
 
 
-@pytest.mark.parametrize("tp_export,tied", [("auto", False), ("peer", True), ("gather", False)])
-def test_tp2_export_delivers_the_gathered_bytes(tmp_path, tp_export, tied):
+@pytest.mark.parametrize("tp_export,tied,unmappable", [("auto", False, None), ("peer", True, None),
+                                                       ("gather", False, None), ("auto", True, 1)])
+def test_tp2_export_delivers_the_gathered_bytes(tmp_path, tp_export, tied, unmappable):
+    """`auto` with a rank that cannot map the buffers all-gathers instead (and says so in its log)."""
     from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 
     shape = TinyModelShape(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -71,14 +80,14 @@ def test_tp2_export_delivers_the_gathered_bytes(tmp_path, tp_export, tied):
                            bucket_bytes=64 * 1024, tp_export=tp_export)
     queue = mp.get_context("spawn").Queue()
     receiver = _start(_receiver_proc, 1, cfg.stage_groups(1), 3, 10**6, queue)
-    per_rank = run_distributed(_tp2_sender, 2, hf_dir, asdict(cfg))
+    per_rank = run_distributed(_tp2_sender, 2, hf_dir, asdict(cfg), unmappable)
     kind, _, payload = queue.get(timeout=120)
     receiver.join(30)
     assert kind == "receiver", payload
     versions, loaded = payload[0], payload[1]
     assert versions == [1, 2, 3]
     (owner,) = [r for r in per_rank if r["owner"]]
-    peer = tp_export != "gather"
+    peer = tp_export != "gather" and unmappable is None
     assert all(r["peer"] == peer for r in per_rank)
     for (reference, gathers), received in zip(owner["syncs"], loaded):
         assert received == reference  # every tensor, bit for bit, padding rows of the vocabulary dropped
@@ -101,3 +110,24 @@ def test_peer_export_of_an_moe_model_is_refused_naming_the_key():
     fake = SimpleNamespace(ep=2, cfg=SyncGroupsConfig(tp_export="peer"))
     with pytest.raises(ValueError, match=r"weight_sync.tp_export=peer: dense models only .*expert parallelism 2"):
         megatron_source.MegatronWeightSync._check_tp_export(fake)
+
+
+def _tp2_peer_required(rank, world, hf_dir, sync_cfg):
+    try:
+        _tp2_sender(rank, world, hf_dir, sync_cfg, unmappable_rank=1)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_peer_export_required_but_unmappable_names_the_rank(tmp_path):
+    """`tp_export=peer` where TP rank 1 cannot map the sender's buffers: every rank fails at the first
+    sync naming the rank and the key (nothing was sent; the receiver is never needed)."""
+    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+
+    hf_dir = save_tiny_hf_model(str(tmp_path / "tiny"), "qwen3", TinyModelShape(num_key_value_heads=2))
+    cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=0, timeout_s=60, bucket_bytes=64 * 1024,
+                           tp_export="peer")
+    errors = run_distributed(_tp2_peer_required, 2, hf_dir, asdict(cfg))
+    assert all(e is not None and "weight_sync.tp_export=peer: TP rank(s) [1] could not map" in e
+               for e in errors), errors

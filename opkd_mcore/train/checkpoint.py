@@ -230,7 +230,7 @@ RESUMABLE_KEYS = (
     "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "parallel.etp",
     "parallel.world_size",
     "teacher.teachers.*.url", "teacher.teachers.*.replica_urls", "teacher.teachers.*.offload",
-    "weight_sync.host", "weight_sync.bucket_mb", "weight_sync.transport",
+    "weight_sync.host", "weight_sync.bucket_mb", "weight_sync.transport", "weight_sync.tp_export",
     "rollout.gpu_memory_utilization", "rollout.enforce_eager",
     "loss.impl",  # reference or fused kernels: the same loss
     "optim.overlap_grad_reduce",

@@ -224,21 +224,15 @@ class MegatronWeightSync:
         """The peer export's sync: the sender fills its part of each bucket and seals it; the other
         TP ranks write theirs (see `peer_export.py`)."""
         error: BaseException | None = None
-        if self.sender is None:
-            self.peer.run_peer()
-        else:
-            sealed = 0
-
-            def seal():
-                nonlocal sealed
-                self.peer.seal()
-                sealed += 1
-            try:
-                self.sender.sync((), version, fill=self.peer.write, seal=seal)
-            except Exception as err:  # noqa: BLE001  (re-raised below, after the peers are released)
-                error = err
-            for _ in range(len(self.peer.buckets) - sealed):  # the peers wait for every bucket's seal
-                self.peer.seal()
+        try:
+            self.peer.begin()
+            if self.sender is None:
+                self.peer.run_peer()
+            else:
+                self.sender.sync((), version, fill=self.peer.write, seal=self.peer.seal)
+        except Exception as err:  # noqa: BLE001  (re-raised below, after the other ranks are released)
+            error = err
+        self.peer.seal_rest()  # the other TP ranks wait for every bucket's seal
         _agree(error, shared=True, experts=False)
         return self.sender.stats if self.sender is not None else None
 

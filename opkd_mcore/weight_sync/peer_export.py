@@ -49,6 +49,7 @@ class PeerExport:
         self._flag = torch.zeros(1, dtype=torch.int32, device=current_device())
         self._pairs: dict[tuple[int, int], list] = {}
         self._pairs_for: set[int] | None = None
+        self.sealed = 0  # seals of the sync in progress
 
     def connect(self, buffers: list[torch.Tensor] | None, required: bool) -> bool:
         """Collective over the TP group: the sender (TP rank 0) passes its bucket buffers, the others
@@ -96,6 +97,14 @@ class PeerExport:
             moved.append(on_device.cpu())
         return moved[0], moved[1]
 
+    def begin(self) -> None:
+        """Once per sync, before the first `write`: drop the copy lists if the parameters moved
+        (their views of the old tensors would be stale)."""
+        self.sealed = 0
+        storages = self.storages()
+        if storages is not self._pairs_for:
+            self._pairs, self._pairs_for = {}, storages
+
     def write(self, i: int, buf: torch.Tensor) -> None:
         """Copy this rank's part of bucket i's tensors into `buf` (the sender's buffer i % 2)."""
         for dst, src in self._pairs_of(i, buf):
@@ -104,9 +113,6 @@ class PeerExport:
     def _pairs_of(self, i: int, buf: torch.Tensor) -> list:
         from opkd_mcore.models import shard_writes
 
-        storages = self.storages()
-        if storages is not self._pairs_for:  # the parameters moved: views of the old ones are stale
-            self._pairs, self._pairs_for = {}, storages
         key = (i, buf.data_ptr())
         if key not in self._pairs:
             slots = [self.plan.slots[j] for j in self.buckets[i].slots]
@@ -117,9 +123,17 @@ class PeerExport:
     def seal(self) -> None:
         """The TP all-reduce that orders one bucket's writes (see the module docstring)."""
         dist.all_reduce(self._flag, group=self.group)
+        self.sealed += 1
+
+    def seal_rest(self) -> None:
+        """After a sync, failed or not: the seals this rank has not run, so no other rank waits
+        for a bucket that is not coming."""
+        while self.sealed < len(self.buckets):
+            self.seal()
 
     def run_peer(self) -> None:
-        """A TP rank > 0's part of one sync: write every bucket, each after the seal before it."""
+        """A TP rank > 0's part of one sync (after `begin`): write every bucket, each after the seal
+        before it."""
         for i in range(len(self.buckets)):
             self.write(i, self.mapped[i % 2])
             self.seal()
