@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--e2e", action="store_true",
                    help="end to end: Megatron export + transfer + load into a running vLLM engine (GPU)")
-    p.add_argument("--layout", default="tp1-disagg", help="--e2e: tp1-disagg | tp1-coloc | tp2-coloc")
+    p.add_argument("--layout", default="tp1-disagg",
+                   help="--e2e: tp1-disagg | tp1-coloc | tp2-coloc | tp2-disagg (4 GPUs)")
     p.add_argument("--trainer-cpus", type=int, default=0,
                    help="--e2e: pin the trainer to this many CPUs and the engine to the rest (0: as started)")
     p.add_argument("--model-dir", default=None, help="--e2e: HF checkpoint to use (default: random, --shape)")

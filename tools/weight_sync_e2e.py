@@ -10,6 +10,7 @@ transfer of the same bytes in the same message size is the ceiling:
     tp1-disagg    1 rank on GPU 1        GPU 0         group (NCCL)    NCCL broadcast GPU 1 -> GPU 0
     tp1-coloc     1 rank on GPU 0        GPU 0         colocated_ipc   IPC copy on GPU 0
     tp2-coloc     2 ranks on GPU 0, 1    GPU 0         colocated_ipc   IPC copy on GPU 0
+    tp2-disagg    2 ranks on GPU 2, 3    GPU 0         group (NCCL)    NCCL broadcast GPU 1 -> GPU 0
 
 For the colocated layouts the run also times the issue's yardstick, an NCCL broadcast of the same
 bytes from GPU 1 to GPU 0 (`raw_nccl_s`). `--profile PREFIX`: one more sync under torch.profiler on
@@ -33,6 +34,7 @@ LAYOUTS = {  # name -> (trainer ranks, first trainer GPU, transport)
     "tp1-disagg": (1, 1, "group"),
     "tp1-coloc": (1, 0, "colocated_ipc"),
     "tp2-coloc": (2, 0, "colocated_ipc"),
+    "tp2-disagg": (2, 2, "group"),  # 4 GPUs; the peer export's writes cross the interconnect, then the send
 }
 
 

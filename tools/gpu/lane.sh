@@ -8,6 +8,7 @@
 #                                         # one 10-minute device call (the whole took ~15 min on an H100)
 #   TESTS_DEADLINE=540 bash tools/gpu/lane.sh tests_pair   # what one GPU skips (2 GPUs; >9 minutes),
 #                                         # or tests_pair1 then tests_pair2, one call each
+#   bash tools/gpu/lane.sh tests_quad     # what two GPUs skip (4 ranks; nvidia-h100-x4)
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -18,6 +19,7 @@
 #                                         # BUCKET_MB=256 for other buckets (default 1024); more
 #                                         # arguments go to the tool (TAG=_x names the logs apart)
 #   bash tools/gpu/lane.sh e2e_all        # 1.7B and 8B tp1-disagg, 8B tp2-coloc, one after the other
+#   bash tools/gpu/lane.sh e2e qwen3-8b tp2-disagg   # TP=2 student on GPUs 2, 3 (4 GPUs), engine on GPU 0
 #   bash tools/gpu/lane.sh loss           # the loss inside a training step: time, share, memory
 #   bash tools/gpu/lane.sh lm_head        # fused LM head + KD: GPU tests, then the benchmark
 #   bash tools/gpu/lane.sh lm_head2       # the LM-head benchmark at TP=2 (2 GPUs)
@@ -76,6 +78,8 @@ case "${1:-}" in
   tests_pair2)  # ... then training at EP=2, TP/PP=2 and the resume (more than the rest of one call)
     bash "$0" tests tests/test_models_moe_e2e.py tests/test_train_resume.py tests/test_train_integration.py \
         tests/test_models_moe_train.py -k "moe or resume or tp2 or pp2 or nccl" ;;
+  tests_quad)  # what two GPUs skip (4 ranks: the TP=2 x PP=2 student's sync and training); nvidia-h100-x4
+    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py -k "tp2pp2" ;;
   tests3)
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py tests/test_train_resume.py \
         tests/test_weight_sync_moe.py ;;
