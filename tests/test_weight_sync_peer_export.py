@@ -12,6 +12,7 @@ import torch
 
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from tests._dist import free_port, run_distributed
+from tests.test_weight_sync_replay import change_weights
 from tests.test_weight_sync_transport import _digest, _receiver_proc, _start
 
 
@@ -48,11 +49,7 @@ def _tp2_sender(rank, world, hf_dir, sync_cfg, unmappable_rank=None):
 
         params, out = list(chunks[0].parameters()), []
         for v in (1, 2, 3):
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    p.add_(0.01 * v * (i + 1))
-                if v == 3:
-                    params[0].data = params[0].data.clone() + 1
+            change_weights(params, v, move=v == 3)
             reference = {n: _digest(t) for n, t in iter_hf_weights(chunks, stages="local")}
             gathers["n"] = 0
             setattr(dist, name, counted)

@@ -173,6 +173,16 @@ def model_storages_of(*tensors: torch.Tensor) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
+def change_weights(params: list[torch.Tensor], v: int, move: bool) -> None:
+    """Every parameter changed in place (by an amount depending on `v`); `move`: the first one
+    also gets new storage, as a checkpoint load may give it."""
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.add_(0.01 * v * (i + 1))
+        if move:
+            params[0].data = params[0].data.clone() + 1
+
+
 def _megatron_sender(rank, world, hf_dir, sync_cfg, tp):
     """Change the weights in place, sync, and keep the export's digests (the reference), four times;
     before the fourth sync one parameter gets new storage, as a checkpoint load may do."""
@@ -189,11 +199,7 @@ def _megatron_sender(rank, world, hf_dir, sync_cfg, tp):
         params = [p for p in chunks[0].parameters()]
         out = []
         for v in (1, 2, 3, 4):
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    p.add_(0.01 * v * (i + 1))
-                if v == 4:
-                    params[0].data = params[0].data.clone() + 1
+            change_weights(params, v, move=v == 4)
             reference = {n: _digest(t) for n, t in iter_hf_weights(chunks, stages="local")}
             sync.sync(v)
             out.append((reference, sync.sender.stats.last_replayed if sync.sender else None))

@@ -55,20 +55,19 @@ class PeerExport:
         """Collective over the TP group: the sender (TP rank 0) passes its bucket buffers, the others
         None and map them. Returns whether every rank could; raises if `required` and one could not."""
         reason = ""
-        for b in range(2):
-            words, raw = self._share(buffers[b] if self.rank == 0 else None)
-            if self.rank == 0 or reason:
-                continue
-            what = f"bucket buffer {b} of the weight-sync sender (TP rank 0)"
-            try:
-                handle = decode_handles(words, raw, what)[self.rank - 1]
-                self.mapped.append(open_ipc_handle(handle, what, peer=True))
+        words, raw = self._share(buffers)
+        if self.rank > 0:
+            what, peers = "the bucket buffers of the weight-sync sender (TP rank 0)", self.size - 1
+            try:  # per buffer, one handle per peer
+                handles = decode_handles(words, raw, what)
+                self.mapped = [open_ipc_handle(handles[b * peers + self.rank - 1], f"{what}, buffer {b}",
+                                               peer=True) for b in range(2)]
             except (ValueError, RuntimeError) as err:  # IpcHandleError is a ValueError
                 reason = str(err)
         failed = torch.tensor([1 if reason else 0], dtype=torch.int32, device=current_device())
         everyone = [torch.zeros_like(failed) for _ in range(self.size)]
         dist.all_gather(everyone, failed, group=self.group)
-        bad = [r for r, f in enumerate(everyone) if f.item()]
+        bad = [r for r, f in enumerate(torch.cat(everyone).tolist()) if f]
         if reason:
             logger.warning("weight sync: TP rank %d cannot map the sender's buckets: %s", self.rank, reason)
         if bad and required:
@@ -80,17 +79,17 @@ class PeerExport:
             self.mapped = []
         return not bad
 
-    def _share(self, buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank 0's handles of `buf` (one per peer) to every TP rank: sizes, then the encoded words."""
+    def _share(self, buffers: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0's handles of its `buffers` (per buffer, one per peer) to every TP rank in one
+        message: its sizes, then the encoded words and bytes."""
         device, root = current_device(), dist.get_global_rank(self.group, 0)
-        if buf is not None:
-            words, raw = encode_handles(export_ipc_handles(buf, self.size - 1))
-        sizes = torch.tensor([words.numel(), raw.numel()] if buf is not None else [0, 0], device=device)
+        encoded = (None, None)
+        if buffers is not None:
+            encoded = encode_handles([h for b in buffers for h in export_ipc_handles(b, self.size - 1)])
+        sizes = torch.tensor([0 if t is None else t.numel() for t in encoded], device=device)
         dist.broadcast(sizes, src=root, group=self.group)
-        n_words, n_raw = sizes.tolist()
         moved = []
-        for t, n, dtype in ((words if buf is not None else None, n_words, torch.int64),
-                            (raw if buf is not None else None, n_raw, torch.uint8)):
+        for t, n, dtype in zip(encoded, sizes.tolist(), (torch.int64, torch.uint8)):
             on_device = t.to(device) if t is not None else torch.empty(n, dtype=dtype, device=device)
             if n:
                 dist.broadcast(on_device, src=root, group=self.group)
