@@ -4,9 +4,11 @@ Real pieces: Ray actors in placement groups, two trainer ranks (Megatron TP=2 ov
 emulation), two vLLM CPU rollout engines in one weight-sync group, an hf top-k teacher actor.
 `sync` gives the torchrun path's losses and samples; each overlapped schedule trains every prompt
 exactly once with the staleness it promises (samples.jsonl); a rollout engine killed mid-step loses
-no sample (the run equals the un-faulted one); a weight transfer nobody receives times out naming
-group, ranks and bucket; a dead trainer rank stops the run with the last checkpoint intact; the
-colocated placement (CPU bundles, weights by shared-memory IPC) trains what the disaggregated one does.
+no sample (the run equals the un-faulted one), and so does one killed while weights stream to it;
+a weight transfer nobody receives times out naming group, ranks and bucket, and the trainer ranks
+leave such a blocked group at once; a dead trainer rank stops the run with the last checkpoint
+intact; the colocated placement (CPU bundles, weights by shared-memory IPC) trains what the
+disaggregated one does.
 """
 from __future__ import annotations
 
@@ -227,6 +229,27 @@ def test_rollout_and_teacher_actors_killed_mid_step_lose_no_sample(cluster):
     _engines_hold_the_same_weights(cluster)  # the restarted engine got every later sync
 
 
+def test_rollout_actor_killed_mid_sync_is_rebuilt_and_loses_no_sample(cluster):
+    """An engine dies while the weights stream to it: the driver aborts the trainer ranks' ends,
+    rebuilds the groups with the restarted engine and syncs again; the run trains what the
+    un-faulted one does and every engine ends with the trainer's weights."""
+    import ray
+
+    killed = {}
+
+    def kill_mid_sync(name, info):  # the sync after step 1 has started on every member
+        if name == "sync_started" and info["version"] == 2 and not killed:
+            killed.update(info)
+            ray.kill(cluster["groups"].rollouts[0], no_restart=False)
+
+    history, rows = _run(cluster, "killed_mid_sync", on_event=kill_mid_sync)
+    assert killed and history[-1]["faults/rollout_restarts"] >= 1
+    reference_history, reference_rows = _sync_reference(cluster)
+    assert rows == reference_rows and audit(rows, N, DATASET).ok
+    assert [h["train/loss"] for h in history] == [h["train/loss"] for h in reference_history]
+    _engines_hold_the_same_weights(cluster)
+
+
 def test_weight_transfer_nobody_receives_times_out_naming_group_ranks_and_bucket(cluster):
     import ray
 
@@ -247,6 +270,33 @@ def test_weight_transfer_nobody_receives_times_out_naming_group_ranks_and_bucket
     # the groups are rebuilt from scratch: the next sync goes through
     groups.connect_weight_sync()
     groups.sync(8)
+
+
+def test_trainer_ranks_leave_a_blocked_weight_sync_on_their_control_thread(cluster):
+    """An engine lost mid-sync: the driver's abort reaches trainer ranks whose send still waits on the
+    group (their control thread), instead of queueing behind it until the transfer's deadline."""
+    import time
+
+    import ray
+
+    groups = cluster["groups"]
+    sends = [t.sync_weights.remote(9) for t in groups.trainers]  # the engines never call receive
+    time.sleep(2)
+    assert not ray.wait(sends, num_returns=len(sends), timeout=0)[0], "the sends should be waiting"
+    start = time.monotonic()
+    groups.abort_trainer_weight_sync()
+    took = time.monotonic() - start
+    # gloo cannot interrupt the send's wait (an NCCL abort does): it is still there, 10 s deadline
+    assert ray.wait(sends, num_returns=len(sends), timeout=0)[1], "the abort queued behind the sends"
+    assert took < 5, f"the abort took {took:.1f} s"
+    failed = ray.exceptions.RayTaskError
+    with pytest.raises(failed, match="v9 failed on trainer rank 0: group .* within 10 s"):
+        ray.get(sends[0], timeout=60)
+    with pytest.raises(failed, match="v9 failed on trainer rank 1: a TP peer of the sender"):
+        ray.get(sends[1], timeout=60)
+    groups.close_weight_sync()  # the engines' ends (the trainers' are gone already)
+    groups.connect_weight_sync()
+    groups.sync(9)
 
 
 def test_dead_trainer_rank_stops_the_run_with_the_last_checkpoint_intact(cluster):

@@ -298,13 +298,21 @@ class RayController:
         start = time.perf_counter()
         abort = self.cfg.run.in_flight_update == "abort_resume"
         try:
-            self._await_pumping(pipe, self.groups.start_sync(version, abort),
+            sync = self.groups.start_sync(version, abort)
+            if self.on_event:
+                self.on_event("sync_started", {"version": version})
+            self._await_pumping(pipe, sync,
                                 f"weight sync v{version} over {self.groups.describe_groups()}",
                                 timeout_s=2 * self.cfg.controller.sync_timeout_s)
         except (ActorLost, StageFailed) as err:
             logger.warning("controller: %s; rebuilding the weight-sync groups", err)
-            # survivors blocked on the old group fail fast; the dead engine's end never closes
-            self._on_trainers("close_weight_sync", True)
+            if isinstance(err, ActorLost) and err.member.startswith("rollout engine"):
+                self.groups.restarts["rollout"] += 1
+            # the dead engine's end never closes; trainer ranks still sending abort theirs now
+            try:
+                self.groups.abort_trainer_weight_sync()
+            except ActorLost as lost:
+                raise self._trainer_died(lost) from lost
             for e, actor in enumerate(self.groups.rollouts):
                 self.groups.wait_alive(actor, f"rollout engine {e}")
             self.groups.connect_weight_sync()

@@ -22,6 +22,9 @@ from opkd_mcore.controller.placement import Placement, teacher_actor_endpoints
 logger = logging.getLogger(__name__)
 
 
+CONTROL = "control"  # trainer actors' second thread (`WorkerGroups.abort_trainer_weight_sync`)
+
+
 class TrainerDied(RuntimeError):
     """A trainer rank's actor died; the run stops, the last complete checkpoint is intact."""
 
@@ -159,7 +162,8 @@ class WorkerGroups:
         ctl = cfg.controller
         self.placement = Placement(cfg, world_size, timeout_s=ctl.call_timeout_s)
         device = cfg.run.device
-        trainer_cls = ray.remote(max_restarts=0)(TrainerWorker)
+        # the control thread: leaving a weight-sync group must not queue behind a send blocked on it
+        trainer_cls = ray.remote(max_restarts=0, concurrency_groups={CONTROL: 1})(TrainerWorker)
         self.trainers = [trainer_cls.options(**slot.actor_options(device)).remote(cfg, rank, world_size)
                          for rank, slot in enumerate(self.placement.trainer)]
         # engine actors build their engine in the constructor: `_start` creates them, in waves
@@ -269,6 +273,16 @@ class WorkerGroups:
         named.update({f"rollout engine {e} closes": r.close_weight_sync.remote()
                       for e, r in enumerate(self.rollouts)})
         await_named(named, self.cfg.controller.sync_timeout_s, "weight-sync groups close")
+
+    def abort_trainer_weight_sync(self) -> None:
+        """Trainer ranks leave a group that lost a member, now: on the actors' control thread, beside
+        a `sync_weights` still blocked on that group, whose wait the abort ends where the backend can
+        (an accelerator communicator's abort does; a CPU group's wait runs to its timeout: see
+        `platform.stateless_group.destroy_stateless_group`). ActorLost names a rank whose actor is gone."""
+        named = {f"trainer rank {r} aborts its weight sync":
+                 t.close_weight_sync.options(concurrency_group=CONTROL).remote(True)
+                 for r, t in enumerate(self.trainers)}
+        await_named(named, self.cfg.controller.sync_timeout_s, "weight-sync abort")
 
     def describe_groups(self) -> str:
         return ", ".join(f"stage {s} at {g['host']}:{g['port']}" for s, g in enumerate(self.sync_groups))

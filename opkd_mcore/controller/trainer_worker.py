@@ -146,10 +146,11 @@ class TrainerWorker:
         return time.perf_counter() - start
 
     def close_weight_sync(self, abort: bool = False) -> None:
-        """Leave the weight-sync group; `abort` when an engine of it is gone (see `MegatronWeightSync.close`)."""
-        if self.weight_sync is not None:
-            self.weight_sync.close(abort)
-            self.weight_sync = None
+        """Leave the weight-sync group; `abort` when an engine of it is gone (see `MegatronWeightSync.close`).
+        The driver aborts from the actor's control thread while `sync_weights` may still run here."""
+        weight_sync, self.weight_sync = self.weight_sync, None
+        if weight_sync is not None:
+            weight_sync.close(abort)
 
     # ---- training ----------------------------------------------------------------------------
     def _rows_needed(self, total: int) -> range | list:
