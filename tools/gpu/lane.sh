@@ -9,7 +9,8 @@
 #   TESTS_DEADLINE=540 bash tools/gpu/lane.sh tests_pair   # what one GPU skips (2 GPUs; >9 minutes),
 #                                         # or tests_pair1 then tests_pair2, one call each
 #   bash tools/gpu/lane.sh tests_quad     # what two GPUs skip (4 ranks; nvidia-h100-x4)
-#   bash tools/gpu/lane.sh tests_pair_x4  # on 4 GPUs: tests_pair1 on GPUs 0-1 beside tests_pair2 on 2-3
+#   bash tools/gpu/lane.sh tests_x4 a     # on 4 GPUs, side by side: tests1 (GPU 0), tests2 (GPU 1),
+#   bash tools/gpu/lane.sh tests_x4 b     # tests_pair1 (GPUs 2-3); then b: tests3 (GPU 0), tests_pair2
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -81,11 +82,20 @@ case "${1:-}" in
         tests/test_models_moe_train.py -k "moe or resume or tp2 or pp2 or nccl" ;;
   tests_quad)  # what two GPUs skip (4 ranks: the TP=2 x PP=2 student's sync and training); nvidia-h100-x4
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py -k "tp2pp2" ;;
-  tests_pair_x4)  # the two halves of tests_pair side by side on a 4-GPU machine, own logs
-    OUT="$OUT/pair1" CUDA_VISIBLE_DEVICES=0,1 bash "$0" tests_pair1 > /dev/null 2>&1 & pair1_pid=$!
-    OUT="$OUT/pair2" CUDA_VISIBLE_DEVICES=2,3 bash "$0" tests_pair2 > /dev/null 2>&1
-    wait $pair1_pid
-    tail -n 4 "$OUT/pair1/tests.log" "$OUT/pair2/tests.log" ;;
+  tests_x4)  # the GPU suite in two calls on a 4-GPU machine (with tests_quad: all of it); own logs per step
+    case "${2:-a}" in
+      a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
+      b) jobs=("0:tests3" "2,3:tests_pair2") ;;
+      *) echo "tests_x4: part a or b, got ${2}" >&2; exit 2 ;;
+    esac
+    pids=()
+    for job in "${jobs[@]}"; do
+      OUT="$OUT/${job#*:}" CUDA_VISIBLE_DEVICES=${job%%:*} TESTS_DEADLINE=${TESTS_DEADLINE:-540} \
+          bash "$0" "${job#*:}" > /dev/null 2>&1 &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    for job in "${jobs[@]}"; do echo "${job#*:}: $(tail -n 1 "$OUT/${job#*:}/tests.log")"; done ;;
   tests3)
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py tests/test_train_resume.py \
         tests/test_weight_sync_moe.py ;;
