@@ -5,8 +5,8 @@ After a rollout engine died, the controller rebuilds the weight-sync groups
 `close_weight_sync(abort=True)`, on its actor's control thread beside the blocked send
 (`WorkerGroups.abort_trainer_weight_sync`; here: from another thread of the sender), down to
 `StatelessGroupTransport.close(abort=True)`, which aborts the NCCL communicator instead of running the
-orderly teardown that waits for the dead member; the engine comes back, and new groups are bound and synced. The CPU tests
-(`test_weight_sync_transport.py`) cover this over gloo, where a transfer whose peer is gone fails on the
+orderly teardown that waits for the dead member; the engine comes back, and new groups are bound and
+synced. The CPU tests (`test_weight_sync_transport.py`) cover this over gloo, where a transfer whose peer is gone fails on the
 host within the group's timeout. On a GPU it is different: a transfer only orders the streams, so the
 sender's `sync` need not fail at all, its broadcast hangs on the device, and what releases that stream
 is the abort, or NCCL's own watchdog at the group's timeout (torch's default reaction to that is to tear
