@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 _TORCH_BUILT = ("gloo", "nccl")
 _STORES: dict[int, object] = {}  # id(group) -> its TCP store, which must outlive the group
-_ABORTED: list = []  # aborted gloo groups (see `destroy_stateless_group`)
 
 
 class PortInUseError(OSError):
@@ -205,10 +204,9 @@ def destroy_stateless_group(pg: dist.ProcessGroup, abort: bool = False) -> None:
     """Release a group made by `new_stateless_group` (idempotent enough for error paths).
     `abort`: a member is gone; NCCL's orderly teardown (`shutdown`, ncclCommFinalize) waits for
     every member, so this end aborts its communicators instead, which waits for nobody and ends a
-    collective blocked in another thread. Gloo's abort cannot end such a wait, and the group's
-    destructor waits for it (to the collective's timeout) in whichever thread drops the group: an
-    aborted gloo group is kept for the life of the process. Groups are aborted only when a member
-    died, so there are few."""
+    collective blocked in another thread. Gloo's abort cannot end such a wait, and a gloo group's
+    destructor waits for it, to the collective's timeout: the transports' pending transfers keep
+    their group alive (`weight_sync.group_transport`)."""
     try:
         if abort and hasattr(pg, "abort"):
             pg.abort()
@@ -216,7 +214,4 @@ def destroy_stateless_group(pg: dist.ProcessGroup, abort: bool = False) -> None:
             pg.shutdown()
     except (RuntimeError, AttributeError) as err:  # already torn down by a failed peer
         logger.debug("stateless group %s: %s", "abort" if abort else "shutdown", err)
-    if abort and getattr(pg, "name", lambda: "")() == "gloo":
-        _ABORTED.append(pg)  # its store stays in _STORES with it
-        return
     _STORES.pop(id(pg), None)

@@ -45,8 +45,12 @@ class _GroupWork(PendingTransfer):
     transfer whose peer is gone: its watchdog aborts the communicator (`platform.stateless_group`),
     which releases the stream, and the next transfer on the group fails (`_enqueue`)."""
 
-    def __init__(self, work, what: str, host_wait: bool):
+    def __init__(self, work, what: str, host_wait: bool, group: dist.ProcessGroup):
         self.work, self.what, self.host_wait = work, what, host_wait
+        # a host-waiting (CPU) group's destructor waits for its transfers in flight, in whichever
+        # thread drops the group: a `close(abort=True)` beside a blocked wait would hang there, so
+        # the transfer holds the group and the waiting thread lets go of it once its wait is over
+        self.group = group if host_wait else None
 
     def wait(self, timeout_s: float) -> None:
         try:
@@ -121,7 +125,7 @@ class StatelessGroupTransport(WeightTransport):
             raise WeightSyncTimeout(f"{what}: the group takes no more transfers (aborted after one ran past "
                                     f"its timeout of {self.cfg.timeout_s:.0f} s, or a peer left; "
                                     f"{type(err).__name__}: {err})") from err
-        return _GroupWork(work, what, self._host_wait())
+        return _GroupWork(work, what, self._host_wait(), pg)
 
     def exchange_status(self, message: str) -> list[str]:
         table = torch.zeros(self.world_size, STATUS_BYTES, dtype=torch.int32, device=self.device)
