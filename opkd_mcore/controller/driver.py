@@ -313,10 +313,7 @@ class RayController:
                 self.groups.abort_trainer_weight_sync()
             except ActorLost as lost:
                 raise self._trainer_died(lost) from lost
-            for e, actor in enumerate(self.groups.rollouts):
-                self.groups.wait_alive(actor, f"rollout engine {e}")
-            self.groups.connect_weight_sync()
-            self.groups.sync(version)
+            self.groups.rebuild_weight_sync(version)
         pipe.version, pipe.progress_since_sync = version, 0
         return time.perf_counter() - start
 

@@ -330,13 +330,19 @@ class WorkerGroups:
         when the trainer has trained past it (`weights_ahead`), so that labels stay true."""
         self.restarts["rollout"] += 1
         start = time.perf_counter()
-        self.wait_alive(self.rollouts[engine], f"rollout engine {engine}")
-        self.connect_weight_sync()
         new_version = version + 1 if weights_ahead else version
-        self.sync(new_version)
+        self.rebuild_weight_sync(new_version)
         logger.warning("controller: rollout engine %d restarted and resynced to v%d in %.1f s", engine,
                        new_version, time.perf_counter() - start)
         return new_version
+
+    def rebuild_weight_sync(self, version: int) -> None:
+        """After an engine died: once every engine answers (a dead one has restarted), new groups,
+        and `version` synced over them (a group with a dead member is unusable for everyone)."""
+        for e, actor in enumerate(self.rollouts):
+            self.wait_alive(actor, f"rollout engine {e}")
+        self.connect_weight_sync()
+        self.sync(version)
 
     def recover_teacher(self, name: str, replica: int) -> None:
         self.restarts["teacher"] += 1
