@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from .fused_kd import KdSpec, kd_objective, select_backend, tp_rank, tp_size, write_kd_grad
+from .fused_kd import KdSpec, kd_objective, select_backend, tp_rank, write_kd_grad
 from .fused_linear_kd import LAUNCHES, check_linear_inputs, global_argmax, row_major, shard_ends
 from .linear_kd_common import LinearInputs, addmm_f32_, logits_block, row_blocks
-from .sparse_objective import effective_divergence
 from .torch_backend import TorchKdBackend
 
 # Live chunk buffers (z, and u for a dense teacher) off CPU: at V = 151936 in bf16, R = 2048 rows
@@ -106,11 +105,6 @@ def _chunk(inp: LinearInputs, rows: slice, ids, logprobs, c, spec, backend, grou
     u = None
     if inp.teacher_hidden is not None:
         u = logits_block(inp.teacher_hidden, inp.teacher_weight, rows, cols, inp.teacher_end, inp.hidden.dtype)
-    code = one_pass_code(spec, backend, u, group) if need_grad else None
-    if code is not None:
-        loss, lse, top_val, top_col = backend.one_pass(z, u, z, c[rows], 1.0 / spec.temperature, code)
-        return _chunk_end(inp, z, loss, torch.ones_like(loss), torch.ones_like(loss), lse, top_val, top_col,
-                          u, group, need_grad)
     part_ids = None if ids is None else ids[rows]
     part_lp = None if logprobs is None else logprobs[rows]
     loss, teacher_mass, student_mass, state = kd_objective(z, u, part_ids, part_lp, spec, backend, group, need_grad)
@@ -124,29 +118,13 @@ def _chunk(inp: LinearInputs, rows: slice, ids, logprobs, c, spec, backend, grou
         top_val, top_col = u.max(dim=1)
     if need_grad:
         write_kd_grad(z, u, state, c[rows], z, spec, backend, (top_val, top_col) if fused_top1 else None)
-    return _chunk_end(inp, z, loss, teacher_mass, student_mass, state.lse, top_val if u is not None else None,
-                      top_col if u is not None else None, u, group, need_grad)
-
-
-def _chunk_end(inp: LinearInputs, z, loss, teacher_mass, student_mass, lse, top_val, top_col, u, group,
-               need_grad: bool):
-    if need_grad and inp.student_end < inp.vocab:   # padding columns are constants, not functions of W
-        z[:, inp.student_end:] = 0
+        if inp.student_end < inp.vocab:   # padding columns are constants, not functions of W
+            z[:, inp.student_end:] = 0
     if u is not None:
         top1 = global_argmax(top_val.float(), top_col, tp_rank(group) * inp.vocab, group)
     else:
         top1 = torch.full_like(loss, -1, dtype=torch.int64)
-    return (loss, teacher_mass, student_mass, lse, top1), (z if need_grad else None)
-
-
-def one_pass_code(spec: KdSpec, backend, teacher_logits, group) -> int | None:
-    """The divergence code of the backend's one-pass loss + gradient where it covers the objective (a
-    dense teacher, full-vocabulary forward / reverse KL, no TP all-reduce between statistics and
-    gradient), else None: the statistics pass, then the gradient pass."""
-    if (getattr(backend, "one_pass", None) is None or teacher_logits is None or spec.support is not None
-            or tp_size(group) > 1):
-        return None
-    return {"forward_kl": 1, "reverse_kl": 2}.get(effective_divergence(spec.divergence, spec.beta))
+    return (loss, teacher_mass, student_mass, state.lse, top1), (z if need_grad else None)
 
 
 class RowsLinearKdLoss(torch.autograd.Function):

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import (kd_grad, kd_jsd_sums, kd_one_pass, kd_row_stats, kd_scale, kd_sparse_objective,
-               kd_sparse_scatter, kd_support_gather)
+from . import (kd_grad, kd_jsd_sums, kd_row_stats, kd_scale, kd_sparse_objective, kd_sparse_scatter,
+               kd_support_gather)
 from ._jit import interpreting
 
 
@@ -56,11 +56,6 @@ class TritonKdBackend:
         c = self._cfg(student.shape[1])
         return kd_grad.write_grad(student, teacher, out, lse, coef, inv_t, beta, code, c.block_v, c.num_warps,
                                   teacher_top1)
-
-    def one_pass(self, student, teacher, out, row_weights, inv_t, code):
-        """Dense forward (code 1) / reverse (2) KL over a whole vocabulary, its loss and its gradient
-        weighted by `row_weights` from one read of the logits: (loss, lse, teacher max, its column)."""
-        return kd_one_pass.one_pass(student, teacher, out, row_weights, inv_t, code)
 
     def scale_(self, x, g):
         """`x *= g` (0-dim float32 `g` on the device), vectorised; see `kd_scale`."""

@@ -206,38 +206,6 @@ def _support_gather_primitive():
     assert not values[4].any() and local_expected[4].eq(-1).all()
 
 
-def _one_pass(divergence, dtype, temperature):
-    """The one-read loss + weighted gradient (`kd_one_pass`; its split form: the interpreter runs
-    programs one at a time, so no program can wait for another) vs float64: rows of 101 columns in
-    4 tiles of 32 (the last partial), a row weight of 0, a zero-probability column, tied teacher
-    maxima in two tiles (the first column wins), the gradient written over the student logits."""
-    from opkd_kernels.kd_one_pass import one_pass
-
-    z, t = cases.make_logits(N, 101, seed=11)
-    t[3, 40] = t[3, 70] = t[3].max() + 1.0
-    if divergence == "forward_kl":
-        t[4, 10] = float("-inf")     # p = 0: no term
-    else:
-        z[4, 10] = float("-inf")     # q = 0: no term
-    student, teacher = z.to(dtype), t.to(dtype)
-    weights = torch.rand(N, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.5
-    weights[5] = 0.0
-    kd = dict(divergence=divergence, temperature=temperature)
-    ref_loss, ref_grad = cases.reference(student.double(), DenseTeacher(teacher.double()), weights, **kd)
-    buffer = student.clone()
-    code = {"forward_kl": 1, "reverse_kl": 2}[divergence]
-    loss, lse, top_val, top_col = one_pass(buffer, teacher, buffer, weights.float(), 1 / temperature, code)
-    loss_tol, grad_tol = cases.TOLERANCE[dtype]
-    torch.testing.assert_close(loss.double(), ref_loss, atol=loss_tol, rtol=1e-4)
-    torch.testing.assert_close(buffer.double(), ref_grad, atol=grad_tol, rtol=1e-2 if dtype != torch.float32 else 1e-4)
-    assert not buffer[5].any()
-    s64, u64 = student.double() / temperature, teacher.double() / temperature
-    expected_lse = torch.stack([s64.logsumexp(1), u64.logsumexp(1)], dim=1)
-    torch.testing.assert_close(lse.double(), expected_lse, atol=loss_tol, rtol=1e-5)
-    assert torch.equal(top_col, teacher.float().argmax(1)) and top_col[3].item() == 40
-    assert torch.equal(top_val, teacher.float().amax(1))
-
-
 def _case_id(kd) -> str:
     return "-".join(f"{k}={v}" for k, v in kd.items())
 
@@ -255,9 +223,6 @@ for _kind in ("forward_kl", "reverse_kl", "jsd"):
         for _mass in ("renorm", "tail", "raw"):
             CASES[f"sparse-objective-{_kind}-beta={_beta}-{_mass}"] = (_sparse_objective_vs_torch,
                                                                        (_kind, _beta, _mass))
-for _div, _dt, _temp in (("forward_kl", torch.float32, 1.0), ("forward_kl", torch.bfloat16, 0.7),
-                         ("reverse_kl", torch.float32, 1.7), ("reverse_kl", torch.bfloat16, 1.0)):
-    CASES[f"one-pass-{_div}-{_dt}-T={_temp}"] = (_one_pass, (_div, _dt, _temp))
 CASES.update({
     "topk-all-padding-row-zero": (_topk_all_padding_row, ()),
     "bf16-topk-jsd-tail": (_bf16_topk, ()),

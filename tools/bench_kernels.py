@@ -191,23 +191,6 @@ def method_fused(z, teacher, obj, group, device):
     return run
 
 
-def method_one_pass(z, teacher, obj, group, device):
-    """The rows engine's logits call: loss and row-weighted gradient from one read of the logits
-    (`kd_one_pass`; the weights are known in the forward). Dense forward / reverse KL at TP=1 only."""
-    code = {"forward_kl": 1, "reverse_kl": 2}.get(obj.get("divergence"))
-    if (not isinstance(teacher, DenseTeacher) or code is None or obj.get("support") is not None
-            or dist.get_world_size(group) > 1 or device != "cuda"):
-        return None
-    from opkd_kernels.kd_one_pass import one_pass
-
-    grad = torch.empty_like(z)   # allocated once, as the in-place buffer of the other methods
-    weights = torch.ones(z.shape[0], device=z.device)
-
-    def run():
-        return one_pass(z, teacher.logits, grad, weights, 1.0, code)
-    return run
-
-
 def method_reference(z, teacher, obj, group, device):
     leaf = z.clone().requires_grad_()
     kd = _kd_kwargs(obj)
@@ -277,8 +260,8 @@ def method_megatron_ce(z, teacher, obj, group, device):
     return run
 
 
-METHODS = {"fused": method_fused, "one_pass": method_one_pass, "reference": method_reference,
-           "compiled": method_compiled, "liger_jsd": method_liger_jsd, "megatron_ce": method_megatron_ce}
+METHODS = {"fused": method_fused, "reference": method_reference, "compiled": method_compiled,
+           "liger_jsd": method_liger_jsd, "megatron_ce": method_megatron_ce}
 
 
 # ---------------------------------------------------------------- driver
