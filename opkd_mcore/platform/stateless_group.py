@@ -200,6 +200,36 @@ def _vllm_stateless_group(host: str, port: int, rank: int, world_size: int, back
     return init_group(host, port, rank, world_size, backend, timeout=timeout, **kwargs)
 
 
+_ABORT_KEY = "opkd_abort"
+
+
+def signal_abort(pg: dist.ProcessGroup, reason: str) -> None:
+    """Tell the group's other members, through its store, that this member is leaving mid-transfer
+    (`abort_signalled` reads it). Best effort: a store already gone says as much by itself."""
+    store = _STORES.get(id(pg))
+    if store is None:
+        return
+    try:
+        store.set(_ABORT_KEY, reason.encode())
+    except (RuntimeError, OSError) as err:
+        logger.debug("stateless group: abort signal not stored (%s)", err)
+
+
+def abort_signalled(pg: dist.ProcessGroup) -> str | None:
+    """Why the group is being torn down, if a member said so (`signal_abort`) or its store, which
+    rank 0 serves, is gone; None while neither (and for groups built without a store of ours).
+    A collective blocked on the accelerator cannot see either: its waiter polls this."""
+    store = _STORES.get(id(pg))
+    if store is None:
+        return None
+    try:
+        if store.check([_ABORT_KEY]):
+            return store.get(_ABORT_KEY).decode(errors="replace")
+    except (RuntimeError, OSError) as err:   # the server closed the connection: rank 0 left
+        return f"the group's store is gone, rank 0 left ({type(err).__name__}: {err})"
+    return None
+
+
 def destroy_stateless_group(pg: dist.ProcessGroup, abort: bool = False) -> None:
     """Release a group made by `new_stateless_group` (idempotent enough for error paths).
     `abort`: a member is gone; NCCL's orderly teardown (`shutdown`, ncclCommFinalize) waits for

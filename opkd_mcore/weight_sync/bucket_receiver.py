@@ -133,6 +133,8 @@ class BucketReceiver:
             if i + 1 < len(buckets):  # the other buffer's bucket is fully loaded by now
                 pending = self._post(transport, buckets, i + 1)
             # checked after posting the next receive: the check waits for the bytes on the host
+            # (polling, where the transfer itself does not block it: see `wait_host`)
+            current.wait_host(timeout)
             check_trailer(buf, bucket.nbytes, header.version, bucket.index, plan.digest())
             t1 = time.perf_counter()
             load = lambda: load_fn(self.views(plan, bucket, buf))  # noqa: E731  (called at once)

@@ -13,7 +13,9 @@ starts the receivers passes them the bound port. Without `bind()`, `connect()` u
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
+from typing import Callable
 from datetime import timedelta
 
 import torch
@@ -22,20 +24,28 @@ import torch.distributed as dist
 from opkd_mcore.platform import collective_backend, current_device
 from opkd_mcore.platform.stateless_group import (
     GroupListener,
+    abort_signalled,
     destroy_stateless_group,
     listen_for_group,
     new_stateless_group,
+    signal_abort,
 )
 from opkd_mcore.weight_sync.transport import (
     SENDER_RANK,
     PendingTransfer,
     TransportConfig,
+    WeightSyncAborted,
     WeightSyncTimeout,
     WeightTransport,
 )
 
 logger = logging.getLogger(__name__)
 STATUS_BYTES = 1024
+# A host waiting for an accelerator transfer (`_GroupWork.wait_host`): yields the core for the first
+# SPIN_S (a bucket lands within it; a sleep per poll would add up to a scheduler tick per bucket),
+# sleeps SLEEP_S per poll after that, and asks the group's store whether a member left every
+# ABORT_POLL_S (one round trip to rank 0's store).
+SPIN_S, SLEEP_S, ABORT_POLL_S = 0.05, 1e-3, 0.05
 
 
 class _GroupWork(PendingTransfer):
@@ -43,10 +53,13 @@ class _GroupWork(PendingTransfer):
     the transfer without blocking the host: a host wait with a timeout polls in 1 ms sleeps, which
     costs about that much per bucket. There the group's own timeout (set when it was made) aborts a
     transfer whose peer is gone: its watchdog aborts the communicator (`platform.stateless_group`),
-    which releases the stream, and the next transfer on the group fails (`_enqueue`)."""
+    which releases the stream, and the next transfer on the group fails (`_enqueue`). A host that
+    must read the bytes (a receiver's header, plan and trailers) waits with `wait_host`, which polls
+    and ends as soon as a member that leaves says so, long before that timeout."""
 
-    def __init__(self, work, what: str, host_wait: bool, group: dist.ProcessGroup):
-        self.work, self.what, self.host_wait = work, what, host_wait
+    def __init__(self, work, what: str, host_wait: bool, group: dist.ProcessGroup,
+                 abort_reason: Callable[[], str | None] = lambda: None):
+        self.work, self.what, self.host_wait, self.abort_reason = work, what, host_wait, abort_reason
         # a host-waiting (CPU) group's destructor waits for its transfers in flight, in whichever
         # thread drops the group: a `close(abort=True)` beside a blocked wait would hang there, so
         # the transfer holds the group and the waiting thread lets go of it once its wait is over
@@ -61,6 +74,25 @@ class _GroupWork(PendingTransfer):
         except RuntimeError as err:  # backends report a dead or silent peer as RuntimeError subclasses
             raise WeightSyncTimeout(f"{self.what}: a peer did not finish within {timeout_s:.0f} s "
                                     f"or left the group ({type(err).__name__}: {err})") from err
+
+    def wait_host(self, timeout_s: float) -> None:
+        """Polls the transfer rather than waiting inside the backend: a member that leaves says so
+        in the group's store (or takes the store with it), and the wait ends then."""
+        if self.host_wait:
+            return
+        start = time.monotonic()
+        next_ask = start + ABORT_POLL_S
+        while not self.work.is_completed():
+            now = time.monotonic()
+            if now >= next_ask:
+                reason = self.abort_reason()
+                if reason is not None:
+                    raise WeightSyncAborted(f"{self.what}: abandoned, a member left the group ({reason})")
+                next_ask = now + ABORT_POLL_S
+            if now - start > timeout_s:
+                raise WeightSyncTimeout(f"{self.what}: a peer did not finish within {timeout_s:.0f} s")
+            time.sleep(0 if now - start < SPIN_S else SLEEP_S)
+        self.wait(timeout_s)   # a transfer that ended in an error raises it here
 
 
 class StatelessGroupTransport(WeightTransport):
@@ -125,7 +157,11 @@ class StatelessGroupTransport(WeightTransport):
             raise WeightSyncTimeout(f"{what}: the group takes no more transfers (aborted after one ran past "
                                     f"its timeout of {self.cfg.timeout_s:.0f} s, or a peer left; "
                                     f"{type(err).__name__}: {err})") from err
-        return _GroupWork(work, what, self._host_wait(), pg)
+        return _GroupWork(work, what, self._host_wait(), pg, self._abort_reason)
+
+    def _abort_reason(self) -> str | None:
+        pg = self.pg
+        return "this end closed the group" if pg is None else abort_signalled(pg)
 
     def exchange_status(self, message: str) -> list[str]:
         table = torch.zeros(self.world_size, STATUS_BYTES, dtype=torch.int32, device=self.device)
@@ -134,7 +170,9 @@ class StatelessGroupTransport(WeightTransport):
             table[self.rank, :len(raw)] = torch.tensor(list(raw), dtype=torch.int32)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self._enqueue(lambda pg: pg.allreduce([table], opts), "status exchange").wait(self.cfg.timeout_s)
+        work = self._enqueue(lambda pg: pg.allreduce([table], opts), "status exchange")
+        work.wait(self.cfg.timeout_s)
+        work.wait_host(self.cfg.timeout_s)
         rows = table.cpu().tolist()
         return [bytes(v for v in row if v).decode(errors="replace") for row in rows]
 
@@ -143,5 +181,7 @@ class StatelessGroupTransport(WeightTransport):
             self._listener.close()
             self._listener = None
         if self.pg is not None:
+            if abort:   # the other members may be waiting for a transfer that will not come
+                signal_abort(self.pg, f"rank {self.rank} aborted the weight sync")
             destroy_stateless_group(self.pg, abort=abort)
             self.pg = None

@@ -19,6 +19,10 @@ class WeightSyncTimeout(TimeoutError):
     """A peer did not answer within the configured timeout (dead or stuck receiver/sender)."""
 
 
+class WeightSyncAborted(WeightSyncTimeout):
+    """A member of the group said it is leaving (or its store went away) while this end waited."""
+
+
 @dataclass
 class TransportConfig:
     """Where and how one sync group meets."""
@@ -41,6 +45,12 @@ class PendingTransfer(ABC):
 
     @abstractmethod
     def wait(self, timeout_s: float) -> None: ...
+
+    def wait_host(self, timeout_s: float) -> None:
+        """After `wait`, before the host reads the bytes: the host, too, waits until they are there.
+        A no-op where `wait` already blocks the host. Where it only orders a device stream, this
+        polls, so that the wait ends (`WeightSyncAborted`) as soon as a member of the group leaves,
+        rather than when the backend's own timeout ends the transfer on the device."""
 
     def release(self) -> None:
         """The receiver's reads of `landed` are queued: once they finish the sender may refill it

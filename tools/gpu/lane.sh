@@ -72,11 +72,12 @@ case "${1:-}" in
   tests_pair)  # the tests that one GPU skips (2 ranks: Megatron-student weight-sync layouts, EP=2, TP/PP=2 train)
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py tests/test_models_moe_e2e.py \
         tests/test_train_resume.py tests/test_train_integration.py tests/test_models_moe_train.py \
-        tests/test_weight_sync_abort_gpu.py \
-        -k "megatron_student or moe or resume or tp2 or pp2 or nccl or aborts or hung" ;;
+        tests/test_weight_sync_abort_gpu.py tests/test_weight_sync_receiver_abort_gpu.py \
+        -k "megatron_student or moe or resume or tp2 or pp2 or nccl or aborts or hung or surviving" ;;
   tests_pair1)  # tests_pair in two calls: the weight-sync layouts and EP=2 (~330 s on two H200s) ...
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py \
-        tests/test_weight_sync_abort_gpu.py -k "megatron_student or ep2 or aborts or hung" ;;
+        tests/test_weight_sync_abort_gpu.py tests/test_weight_sync_receiver_abort_gpu.py \
+        -k "megatron_student or ep2 or aborts or hung or surviving" ;;
   tests_pair2)  # ... then training at EP=2, TP/PP=2 and the resume (more than the rest of one call)
     bash "$0" tests tests/test_models_moe_e2e.py tests/test_train_resume.py tests/test_train_integration.py \
         tests/test_models_moe_train.py -k "moe or resume or tp2 or pp2 or nccl" ;;
