@@ -87,7 +87,8 @@ def _receiver_proc(old: TransportConfig, new: TransportConfig, go, queue):
             queue.put(("receiver", "sync_abandoned", {"outcome": "aborted", "t": time.monotonic(),
                                                       "error": str(err)[:300]}))
         leave = _InThread(lambda: receiver.close(abort=True), RECEIVER_GPU)
-        drain = leave.wait(STEP_LIMIT_S) and _InThread(torch.cuda.synchronize, RECEIVER_GPU).wait(STEP_LIMIT_S)
+        drain = (leave.wait(STEP_LIMIT_S)
+                 and _InThread(torch.cuda.synchronize, RECEIVER_GPU).wait(STEP_LIMIT_S))
         queue.put(("receiver", "left", {"close": leave.outcome(), "drained": bool(drain)}))
         if not drain:
             return

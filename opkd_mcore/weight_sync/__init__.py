@@ -24,6 +24,6 @@ from opkd_mcore.weight_sync.vllm_handle import RECEIVER_CLS, VllmSyncHandle, run
 __all__ = [
     "BucketReceiver", "EngineWeightSync", "MegatronWeightSync", "SyncGroupsConfig", "RECEIVER_CLS", "VllmSyncHandle",
     "run_concurrently", "DEFAULT_BUCKET_BYTES", "Bucket", "BucketPlan", "PlanMismatchError", "TensorSlot", "SenderStats",
-    "WeightSender", "TRANSPORTS", "TransportConfig", "WeightSyncAborted", "WeightSyncTimeout", "WeightTransport",
-    "make_transport",
+    "WeightSender", "TRANSPORTS", "TransportConfig", "WeightSyncAborted", "WeightSyncTimeout",
+    "WeightTransport", "make_transport",
 ]
