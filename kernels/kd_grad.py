@@ -29,7 +29,7 @@ DIV_SPARSE_ONLY, DIV_FORWARD_KL, DIV_REVERSE_KL, DIV_JSD = 0, 1, 2, 3
 
 def _kd_grad_kernel(z_ptr, t_ptr, g_ptr, lse_ptr, coef_ptr, top_val_ptr, top_col_ptr, z_stride, t_stride,
                     g_stride, V, inv_T, beta,
-                    DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, TOP1: tl.constexpr):
+                    DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, TOP1: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
     lse_s = tl.load(lse_ptr + row * 2)
@@ -42,7 +42,7 @@ def _kd_grad_kernel(z_ptr, t_ptr, g_ptr, lse_ptr, coef_ptr, top_val_ptr, top_col
     lse_u2 = lse_u * LOG2E
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_col = tl.zeros([BLOCK_V], tl.int32)
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
         cols = start + offs
         mask = cols < V
         z = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -79,7 +79,8 @@ _KERNEL = lazy_jit(_kd_grad_kernel)
 def write_grad(student: torch.Tensor, teacher: torch.Tensor | None, out: torch.Tensor,
                lse: torch.Tensor, coef: torch.Tensor, inv_temperature: float, beta: float,
                divergence_code: int, block_v: int, num_warps: int,
-               teacher_top1: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               teacher_top1: tuple[torch.Tensor, torch.Tensor] | None = None,
+               num_stages: int = 1) -> torch.Tensor:
     """Fill `out [N, V_local]` (may be `student` itself) with the gradient; returns `out`.
     `teacher_top1`: (float32 [N], int64 [N]) to fill with each teacher row's maximum and its first
     column (dense divergences 1-3 only)."""
@@ -93,6 +94,7 @@ def write_grad(student: torch.Tensor, teacher: torch.Tensor | None, out: torch.T
     _KERNEL.get()[(n_rows,)](
         student, t, out, lse, coef, top_val, top_col, student.stride(0), t.stride(0), out.stride(0), vocab,
         float(inv_temperature), float(beta),
-        DIVERGENCE=divergence_code, BLOCK_V=block_v, TOP1=teacher_top1 is not None, num_warps=num_warps,
+        DIVERGENCE=divergence_code, BLOCK_V=block_v, TOP1=teacher_top1 is not None, NUM_STAGES=num_stages,
+        num_warps=num_warps,
     )
     return out

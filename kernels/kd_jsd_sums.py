@@ -16,7 +16,7 @@ from ._log2 import LN2, LOG2E
 
 
 def _kd_jsd_sums_kernel(z_ptr, t_ptr, lse_ptr, out_ptr, z_stride, t_stride, V, inv_T,
-                        beta, BLOCK_V: tl.constexpr):
+                        beta, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
     # base-2 logs: each exp2 fed by one FMA, m formed in linear space and one log2 (3 transcendentals
@@ -26,7 +26,7 @@ def _kd_jsd_sums_kernel(z_ptr, t_ptr, lse_ptr, out_ptr, z_stride, t_stride, V, i
     lse_u2 = tl.load(lse_ptr + row * 2 + 1) * LOG2E
     acc_loss = tl.zeros([BLOCK_V], tl.float32)
     acc_kqm = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
         cols = start + offs
         mask = cols < V
         log2_q = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32) * c - lse_s2
@@ -49,7 +49,7 @@ _KERNEL = lazy_jit(_kd_jsd_sums_kernel)
 
 
 def jsd_sums(student: torch.Tensor, teacher: torch.Tensor, lse: torch.Tensor, inv_temperature: float,
-             beta: float, block_v: int, num_warps: int) -> torch.Tensor:
+             beta: float, block_v: int, num_warps: int, num_stages: int = 1) -> torch.Tensor:
     """`[N, 2]` float32: this shard's (JSD loss part, KL(q||m) part); `lse [N, 2]` = (lse_s, lse_u)."""
     n_rows, vocab = student.shape
     out = torch.empty((n_rows, 2), dtype=torch.float32, device=student.device)
@@ -57,6 +57,6 @@ def jsd_sums(student: torch.Tensor, teacher: torch.Tensor, lse: torch.Tensor, in
         return out
     _KERNEL.get()[(n_rows,)](
         student, teacher, lse, out, student.stride(0), teacher.stride(0), vocab,
-        float(inv_temperature), float(beta), BLOCK_V=block_v, num_warps=num_warps,
+        float(inv_temperature), float(beta), BLOCK_V=block_v, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out

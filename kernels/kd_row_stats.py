@@ -25,7 +25,7 @@ NUM_STATS = 6
 
 def _kd_row_stats_kernel(z_ptr, t_ptr, out_ptr, z_stride, t_stride, V, inv_T, exp2_scale,
                          HAS_TEACHER: tl.constexpr, WANT_A: tl.constexpr, WANT_B: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
+                         BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
     # Maxima and differences stay in raw logit units; 1/T and log2(e) enter once, as exp2_scale, in
@@ -38,7 +38,7 @@ def _kd_row_stats_kernel(z_ptr, t_ptr, out_ptr, z_stride, t_stride, V, inv_T, ex
     l_u = tl.zeros([BLOCK_V], tl.float32)
     acc_a = tl.zeros([BLOCK_V], tl.float32)
     acc_b = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
         cols = start + offs
         mask = cols < V
         s = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
@@ -77,7 +77,7 @@ _KERNEL = lazy_jit(_kd_row_stats_kernel)
 
 
 def row_stats(student: torch.Tensor, teacher: torch.Tensor | None, inv_temperature: float,
-              block_v: int, num_warps: int, want: str = "ab") -> torch.Tensor:
+              block_v: int, num_warps: int, want: str = "ab", num_stages: int = 1) -> torch.Tensor:
     """Per-row statistics `[N, 6]` float32 of this shard (see the module docstring). `want` names
     the teacher sums to compute ("a", "b", both or ""); a column not wanted is written as 0."""
     n_rows, vocab = student.shape
@@ -89,6 +89,6 @@ def row_stats(student: torch.Tensor, teacher: torch.Tensor | None, inv_temperatu
         student, t, out, student.stride(0), t.stride(0), vocab, float(inv_temperature),
         float(inv_temperature) * LOG2E.value,
         HAS_TEACHER=teacher is not None, WANT_A="a" in want, WANT_B="b" in want,
-        BLOCK_V=block_v, num_warps=num_warps,
+        BLOCK_V=block_v, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out

@@ -13,19 +13,22 @@ from ._jit import interpreting
 
 @dataclass(frozen=True)
 class TritonLaunch:
-    """Launch shape. block_v: vocab entries per loop step of a row; num_warps: warps per row.
+    """Launch shape. block_v: vocab entries per loop step of a row; num_warps: warps per row;
+    num_stages: blocks of the row whose loads are in flight at once (`tl.range` pipelining).
     1024 x 4 was the best of a sweep on H200 (bf16, V = 151936, with the per-row-max stats pass),
-    2% ahead of 2048 x 8 and 5-10% ahead of 512 x 2-4, 2048 x 4 and 1024 x 2 / 8."""
+    2% ahead of 2048 x 8 and 5-10% ahead of 512 x 2-4, 2048 x 4 and 1024 x 2 / 8. Three stages:
+    dense forward KL 9.35 -> 8.66 ms on an H100 at 16384 x 151936 (52.9 -> 57.1% of copy), JSD and
+    top-k 256 1%; 4 stages the same, 2 half of it (docs/benchmarks.md, fourteenth session)."""
 
     block_v: int = 1024
     num_warps: int = 4
+    num_stages: int = 3
 
 
 def _default_launch(vocab: int) -> TritonLaunch:
-    env = os.environ.get("OPKD_TRITON_LAUNCH")   # "BLOCK_V,NUM_WARPS", for launch sweeps
+    env = os.environ.get("OPKD_TRITON_LAUNCH")   # "BLOCK_V,NUM_WARPS[,NUM_STAGES]", for launch sweeps
     if env:
-        block_v, num_warps = env.split(",")
-        return TritonLaunch(int(block_v), int(num_warps))
+        return TritonLaunch(*(int(x) for x in env.split(",")))
     if interpreting():
         # The interpreter runs numpy per block: small blocks keep tiny test shapes multi-step.
         return TritonLaunch(block_v=32, num_warps=1)
@@ -46,16 +49,16 @@ class TritonKdBackend:
 
     def row_stats(self, student, teacher, inv_t, want="ab"):
         c = self._cfg(student.shape[1])
-        return kd_row_stats.row_stats(student, teacher, inv_t, c.block_v, c.num_warps, want)
+        return kd_row_stats.row_stats(student, teacher, inv_t, c.block_v, c.num_warps, want, c.num_stages)
 
     def jsd_sums(self, student, teacher, lse, inv_t, beta):
         c = self._cfg(student.shape[1])
-        return kd_jsd_sums.jsd_sums(student, teacher, lse, inv_t, beta, c.block_v, c.num_warps)
+        return kd_jsd_sums.jsd_sums(student, teacher, lse, inv_t, beta, c.block_v, c.num_warps, c.num_stages)
 
     def write_grad(self, student, teacher, out, lse, coef, inv_t, beta, code, teacher_top1=None):
         c = self._cfg(student.shape[1])
         return kd_grad.write_grad(student, teacher, out, lse, coef, inv_t, beta, code, c.block_v, c.num_warps,
-                                  teacher_top1)
+                                  teacher_top1, c.num_stages)
 
     def scale_(self, x, g):
         """`x *= g` (0-dim float32 `g` on the device), vectorised; see `kd_scale`."""
