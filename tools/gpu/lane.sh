@@ -11,6 +11,8 @@
 #   bash tools/gpu/lane.sh tests_quad     # what two GPUs skip (4 ranks; nvidia-h100-x4)
 #   bash tools/gpu/lane.sh tests_x4 a     # on 4 GPUs, side by side: tests1 (GPU 0), tests2 (GPU 1),
 #   bash tools/gpu/lane.sh tests_x4 b     # tests_pair1 (GPUs 2-3); then b: tests3 (GPU 0), tests_pair2
+#   bash tools/gpu/lane.sh tests_x2 a     # on 2 GPUs in four calls: a: tests3 (GPU 0) beside tests1
+#                                         # (GPU 1); b: tests_pair1; c: tests2; d: tests_pair2
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -83,11 +85,15 @@ case "${1:-}" in
         tests/test_models_moe_train.py -k "moe or resume or tp2 or pp2 or nccl" ;;
   tests_quad)  # what two GPUs skip (4 ranks: the TP=2 x PP=2 student's sync and training); nvidia-h100-x4
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py -k "tp2pp2" ;;
-  tests_x4)  # the GPU suite in two calls on a 4-GPU machine (with tests_quad: all of it); own logs per step
-    case "${2:-a}" in
-      a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
-      b) jobs=("0:tests3" "2,3:tests_pair2") ;;
-      *) echo "tests_x4: part a or b, got ${2}" >&2; exit 2 ;;
+  tests_x4|tests_x2)  # the GPU suite in few calls on a 4-GPU (2-GPU) machine; own logs per step
+    case "$1:${2:-a}" in
+      tests_x4:a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
+      tests_x4:b) jobs=("0:tests3" "2,3:tests_pair2") ;;
+      tests_x2:a) jobs=("0:tests3" "1:tests1") ;;
+      tests_x2:b) jobs=("0,1:tests_pair1") ;;
+      tests_x2:c) jobs=("0:tests2") ;;
+      tests_x2:d) jobs=("0,1:tests_pair2") ;;
+      *) echo "$1: no part ${2}" >&2; exit 2 ;;
     esac
     pids=()
     for job in "${jobs[@]}"; do
