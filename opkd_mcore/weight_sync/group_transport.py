@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Callable
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -171,8 +171,7 @@ class StatelessGroupTransport(WeightTransport):
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         work = self._enqueue(lambda pg: pg.allreduce([table], opts), "status exchange")
-        work.wait(self.cfg.timeout_s)
-        work.wait_host(self.cfg.timeout_s)
+        work.wait_for_host(self.cfg.timeout_s)
         rows = table.cpu().tolist()
         return [bytes(v for v in row if v).decode(errors="replace") for row in rows]
 

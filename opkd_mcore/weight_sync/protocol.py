@@ -63,16 +63,12 @@ class ControlChannel:
     def _timeout(self) -> float:
         return self.transport.cfg.timeout_s
 
-    def _host_wait(self, pending) -> None:
-        pending.wait(self._timeout())
-        pending.wait_host(self._timeout())
-
     def send_header(self, header: SyncHeader) -> None:
         self.header_buf.copy_(torch.tensor(header.encode(), dtype=torch.int64).view(torch.uint8))
         self.transport.broadcast(self.header_buf, self.header_buf.numel()).wait(self._timeout())
 
     def recv_header(self) -> SyncHeader:
-        self._host_wait(self.transport.broadcast(self.header_buf, self.header_buf.numel()))
+        self.transport.broadcast(self.header_buf, self.header_buf.numel()).wait_for_host(self._timeout())
         return SyncHeader.decode(self.header_buf.cpu().view(torch.int64).tolist())
 
     def move_plan(self, plan_json: str | None, nbytes: int) -> str:
@@ -80,7 +76,7 @@ class ControlChannel:
         buf = self.transport.alloc_buffer(nbytes)
         if plan_json is not None:
             buf.copy_(torch.frombuffer(bytearray(plan_json.encode()), dtype=torch.uint8))
-        self._host_wait(self.transport.broadcast(buf, nbytes))
+        self.transport.broadcast(buf, nbytes).wait_for_host(self._timeout())
         return buf.cpu().numpy().tobytes().decode()
 
     def agree(self, complaint: str | None) -> None:

@@ -52,6 +52,11 @@ class PendingTransfer(ABC):
         polls, so that the wait ends (`WeightSyncAborted`) as soon as a member of the group leaves,
         rather than when the backend's own timeout ends the transfer on the device."""
 
+    def wait_for_host(self, timeout_s: float) -> None:
+        """`wait`, then `wait_host`: for bytes the host reads as soon as they land."""
+        self.wait(timeout_s)
+        self.wait_host(timeout_s)
+
     def release(self) -> None:
         """The receiver's reads of `landed` are queued: once they finish the sender may refill it
         (a no-op for a transfer into the receiver's own buffer)."""
