@@ -415,6 +415,11 @@ def _check_schedule(cfg: TrainConfig) -> None:
     if ctl.kind == "ray" and ctl.placement != "colocated" and cfg.weight_sync.transport == "colocated_ipc":
         raise ConfigError("weight_sync.transport: colocated_ipc moves weights between processes on one "
                           "device; disaggregated rollout engines need group (or auto)")
+    if ctl.kind == "ray" and ctl.placement == "colocated" and cfg.weight_sync.transport == "group" \
+            and cfg.run.device not in (None, "cpu"):
+        raise ConfigError(f"weight_sync.transport: group puts colocated engine 0 on trainer rank 0's "
+                          f"device, and a {cfg.run.device} collective refuses two members on one device; "
+                          "use colocated_ipc (or auto) with placement: colocated")
     if ctl.kind == "ray" and ctl.placement == "colocated":
         engines_devices = ctl.rollout_engines * ctl.rollout_tp
         if engines_devices > launch_world_size(cfg):

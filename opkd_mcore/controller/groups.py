@@ -232,14 +232,29 @@ class WorkerGroups:
 
     def transport(self) -> str:
         """`weight_sync.transport` with "auto" resolved: device IPC when the engines share the
-        trainer's device (colocated, accelerator); the stateless group everywhere else."""
+        trainer ranks' devices (colocated, accelerator); the stateless group everywhere else.
+
+        Colocated engines on accelerators cannot join a group transport: engine e shares trainer rank
+        e's device, and an accelerator collective refuses two members on one device. Engines on the
+        other ranks' devices map rank 0's buffers through peer access, which reaches one node only."""
         from opkd_mcore.platform import is_cpu
 
         name = self.cfg.weight_sync.transport
+        colocated = self.placement.kind == "colocated" and not is_cpu(self.cfg.run.device)
+        if colocated:
+            nodes = self.placement.nodes()
+            if len(nodes) > 1:
+                raise RuntimeError(f"controller.placement: colocated engines read trainer rank 0's "
+                                   f"buffers by device IPC, which stays on one node; the shared pool "
+                                   f"spans {len(nodes)} nodes ({sorted(nodes)}); use placement: "
+                                   "disaggregated, or fewer trainer ranks")
+            if name == "group":
+                raise RuntimeError("weight_sync.transport: group puts colocated engine 0 on trainer rank "
+                                   "0's device, which an accelerator collective refuses; use colocated_ipc "
+                                   "(or auto)")
         if name != "auto":
             return name
-        one_device = self.placement.kind == "colocated" and len(self.rollouts) == 1
-        return "colocated_ipc" if one_device and not is_cpu(self.cfg.run.device) else "group"
+        return "colocated_ipc" if colocated else "group"
 
     def _sync_host(self) -> str | None:
         import ray

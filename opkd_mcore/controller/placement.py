@@ -133,6 +133,12 @@ class Placement:
             return None
         return id(slot.pg), slot.bundle
 
+    def nodes(self) -> set[str]:
+        """The ids of the nodes the run's bundles were placed on."""
+        from ray.util.placement_group import placement_group_table
+
+        return {node for pg in self.groups for node in placement_group_table(pg)["bundles_to_node_id"].values()}
+
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 

@@ -29,6 +29,7 @@
 #   bash tools/gpu/lane.sh lm_head2       # the LM-head benchmark at TP=2 (2 GPUs)
 #   bash tools/gpu/lane.sh moe            # MoE student at EP=2 (2 GPUs)
 #   bash tools/gpu/lane.sh steps          # the four Ray schedules (2 GPUs: student | rollout + teacher; Ray carried)
+#   bash tools/gpu/lane.sh controller2    # the Ray controller's GPU test (2 GPUs, Ray carried)
 #   bash tools/gpu/lane.sh steps1         # sync under Ray on 1 GPU, all colocated (controller.placement=colocated)
 #   bash tools/gpu/lane.sh moe1           # the MoE student at EP=1 on 1 GPU (fewer layers)
 #   bash tools/gpu/lane.sh rollout        # one rollout engine: in-process vs in a Ray actor, sleep on/off
@@ -103,6 +104,13 @@ case "${1:-}" in
     done
     wait "${pids[@]}"
     for job in "${jobs[@]}"; do echo "${job#*:}: $(tail -n 1 "$OUT/${job#*:}/tests.log")"; done ;;
+  controller2)  # the Ray controller on two GPUs: peer export and device IPC with one visible GPU per actor,
+                # an engine killed mid-sync (Ray carried: tools/gpu/env.sh stash .whl-ray/a, then b)
+    timeout -s INT -k 20 "${TESTS_DEADLINE:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+        --timeout 900 -rfEs --tb=short tests/test_controller_gpu.py "${@:2}" 2>&1 | tee "$OUT/controller2.log"
+    grep -q " passed" "$OUT/controller2.log" && ! grep -q "failed\|error" "$OUT/controller2.log" || \
+        (cd /tmp/ray/session_latest/logs && tail -n 80 worker-*.err > "$OUT/ray_workers.err" 2>/dev/null)
+    pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|[r]ay::' ;;
   tests3)
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py tests/test_train_resume.py \
         tests/test_weight_sync_moe.py ;;
