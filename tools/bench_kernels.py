@@ -57,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="logits dtype")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per cell (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per cell")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="lm_head: sweep the methods this many times, round robin, and report each "
+                        "method's median over the rounds (a GPU that heats up makes later columns slower)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="cpu = C++ twin")
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--profile", default=None,

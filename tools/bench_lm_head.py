@@ -24,6 +24,8 @@ the bf16 gradients of h and W every method returns (`beyond grads` subtracts the
 """
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.distributed as dist
 from opkd_kernels.fused_kd import KdSpec, fused_kd_loss
@@ -205,36 +207,64 @@ LM_HEAD_METHOD_FNS = {"gemm_rate": m_gemm_rate, "gemms": m_gemms, "fused": m_fus
                       "rows2k": m_rows(2048), "rows4k": m_rows(4096)}
 
 
+def _make_methods(h, w, dense, topk, obj, group, names: list[str]) -> dict:
+    """method -> (run, flops) or an error row's message; methods with nothing to run are left out."""
+    made = {}
+    for method in names:
+        try:
+            out = LM_HEAD_METHOD_FNS[method](h, w, dense, topk, obj, group)
+        except Exception as e:  # a peer failing must not hide the other columns
+            out = f"{type(e).__name__}: {str(e)[:120]}"
+        if out is not None:
+            made[method] = out
+    return made
+
+
+def _time_method(made, timed, args, group) -> tuple[float, int] | str:
+    if isinstance(made, str):
+        return made
+    try:
+        return timed(made[0], "cuda", args.repeats, args.warmup, group)
+    except torch.cuda.OutOfMemoryError:
+        return "OOM"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    finally:
+        torch.cuda.empty_cache()
+
+
 def bench_lm_head_cell(n, hidden, vocab, name, args, group, rank, tp, timed):
+    """One row per method. With `--rounds R` the methods are timed round robin R times (GEMMs,
+    then each method, then GEMMs again...), so a device that slows as it heats up slows every
+    column alike; a row's ms is the median over the rounds, `ms_rounds` keeps each round's."""
     obj = LM_HEAD_OBJECTIVES[name]
     dtype = getattr(torch, args.dtype)
     h, w, dense, topk = make_lm_head_inputs(n, hidden, vocab, tp, rank, dtype, obj)
     grad_bytes = (h.numel() + w.numel()) * h.element_size()
     logits_bytes = n * w.shape[0] * h.element_size()
+    made = _make_methods(h, w, dense, topk, obj, group, args.methods.split(","))
+    results: dict[str, list] = {m: [] for m in made}
+    for _ in range(max(1, getattr(args, "rounds", 1))):
+        for method, m in made.items():
+            results[method].append(_time_method(m, timed, args, group))
     rows, rate = [], None
-    for method in args.methods.split(","):
+    for method, got in results.items():
         row = dict(mode="lm_head", n=n, hidden=hidden, vocab=vocab, tp=tp, objective=name, method=method,
                    dtype=args.dtype)
-        try:
-            made = LM_HEAD_METHOD_FNS[method](h, w, dense, topk, obj, group)
-            if made is None:
-                continue
-            run, flops = made
-            ms, peak = timed(run, "cuda", args.repeats, args.warmup, group)
-            row.update(ms=ms, peak_extra_bytes=peak, logits_bytes=logits_bytes)
-            if method == "gemm_rate":
-                rate = flops / ms / 1e9
-                row.update(tflops=rate)
-            else:
-                row.update(beyond_grads_bytes=peak - grad_bytes)
-                if flops is not None:
-                    row.update(tflops=flops / ms / 1e9)
-        except torch.cuda.OutOfMemoryError:
-            row.update(error="OOM")
-        except Exception as e:  # a peer failing must not hide the other columns
-            row.update(error=f"{type(e).__name__}: {str(e)[:120]}")
-        finally:
-            torch.cuda.empty_cache()
+        errors = [g for g in got if isinstance(g, str)]
+        if errors:
+            rows.append({**row, "error": errors[0]})
+            continue
+        ms, peak = statistics.median(g[0] for g in got), got[0][1]
+        flops = made[method][1]
+        row.update(ms=ms, ms_rounds=[g[0] for g in got], peak_extra_bytes=peak, logits_bytes=logits_bytes)
+        if method == "gemm_rate":
+            rate = flops / ms / 1e9
+            row.update(tflops=rate)
+        else:
+            row.update(beyond_grads_bytes=peak - grad_bytes)
+            if flops is not None:
+                row.update(tflops=flops / ms / 1e9)
         rows.append(row)
     gemms = next((r["ms"] for r in rows if r["method"] == "gemms" and "ms" in r), None)
     for r in rows:
