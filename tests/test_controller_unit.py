@@ -39,7 +39,8 @@ def _cfg(*overrides):
     (["controller.kind=ray", "weight_sync.transport=colocated_ipc"], "^weight_sync.transport: colocated_ipc"),
     (["controller.kind=ray", "controller.placement=colocated", "controller.rollout_engines=2"],
      "^controller.rollout_engines: colocated engines"),
-    (["controller.kind=ray", "controller.placement=colocated", "weight_sync.transport=group", "run.device=cuda"],
+    (["controller.kind=ray", "controller.placement=colocated", "weight_sync.transport=group",
+      "run.device=cuda"],
      "^weight_sync.transport: group puts colocated engine 0 on trainer rank 0's device"),
 ])
 def test_schedule_and_controller_errors_name_the_key(overrides, message):

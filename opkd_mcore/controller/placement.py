@@ -137,7 +137,8 @@ class Placement:
         """The ids of the nodes the run's bundles were placed on."""
         from ray.util.placement_group import placement_group_table
 
-        return {node for pg in self.groups for node in placement_group_table(pg)["bundles_to_node_id"].values()}
+        return {node for pg in self.groups
+                for node in placement_group_table(pg)["bundles_to_node_id"].values()}
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
