@@ -7,7 +7,7 @@ objective, all in one run, median ms and peak extra memory of
     fused      opkd_kernels.fused_linear_kd (Triton tiles), gradients of h and W
     chunkedNk  the same function with the chunked engine: cuBLAS GEMMs into [N, N_k] float32 logits
                blocks (all rows, N_k vocabulary columns) + the Triton row kernels (chunked4k/8k/16k)
-    rowsNk     opkd_kernels.linear_kd_rows ("rows" engine): per chunk of N_k rows (rows2k/rows4k; rows:
+    rowsNk     opkd_kernels.linear_kd_rows ("rows" engine): per chunk of N_k rows (rows128 ... rows4k; rows:
                the default from its memory budget) the logits once, the logits kernels, dh and dW in
                the forward; the backward only scales them (the 4 GEMM-sized products of `gemms`)
     unfused    the same GEMMs with materialised logits + this project's logits kernel (fused_kd)
@@ -203,7 +203,8 @@ def m_cce(h, w, dense, topk, obj, group):
 LM_HEAD_METHOD_FNS = {"gemm_rate": m_gemm_rate, "gemms": m_gemms, "fused": m_fused, "unfused": m_unfused,
                       "compiled": m_compiled, "liger": m_liger, "cce": m_cce,
                       "chunked4k": m_chunked(4096), "chunked8k": m_chunked(8192),
-                      "chunked16k": m_chunked(16384), "rows": m_rows(None), "rows1k": m_rows(1024),
+                      "chunked16k": m_chunked(16384), "rows": m_rows(None), "rows128": m_rows(128),
+                      "rows256": m_rows(256), "rows512": m_rows(512), "rows1k": m_rows(1024),
                       "rows2k": m_rows(2048), "rows4k": m_rows(4096)}
 
 
