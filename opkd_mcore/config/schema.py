@@ -137,7 +137,7 @@ class WeightSyncSection:
     """Student -> vLLM weight transfer after each optimizer step."""
 
     bucket_mb: int = 64  # bucket size of the transfer plan
-    transport: str = "auto"  # auto: colocated_ipc on accelerators (engine on rank 0's device), group on CPU | group | colocated_ipc
+    transport: str = "auto"  # auto: colocated_ipc where engines share trainer devices (accelerators; Ray: placement colocated), else group | group | colocated_ipc
     every_steps: int = 1  # sync every N steps (1 = fully on-policy)
     host: str = "127.0.0.1"  # address the weight-sync groups rendezvous on (rank 0's, reachable by the engines)
     tp_export: str = "auto"  # TP > 1, dense: peer (TP ranks write into the sender's buckets) | gather | auto
