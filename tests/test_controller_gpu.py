@@ -25,14 +25,13 @@ import os
 
 import pytest
 import torch
-import yaml
 
 from opkd_mcore.train.samples_log import audit, read_samples
 from tests.conftest import VLLM_FP32_LOGPROB_ATOL
+from tests.test_controller_schedules import DATASET, N, PROMPTS, STEPS, _greedy, write_run_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
 
-DATASET, PROMPTS, N, STEPS = 6, 2, 2, 4
 OVERRIDES = ["controller.kind=ray", "controller.placement=colocated", "controller.rollout_engines=2",
              "controller.sync_timeout_s=30", "weight_sync.tp_export=peer", "run.device=cuda"]
 
@@ -44,35 +43,18 @@ def cluster(tmp_path_factory):
     ray = pytest.importorskip("ray")
     from opkd_mcore.config import load_config
     from opkd_mcore.controller import WorkerGroups
-    from opkd_mcore.data import ALPHABET
-    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 
     root = tmp_path_factory.mktemp("controller_gpu")
-    shape = TinyModelShape(vocab_size=32, hidden_size=128, num_layers=2, num_attention_heads=2,
-                           num_key_value_heads=2, intermediate_size=256, max_position_embeddings=64)
-    student = save_tiny_hf_model(str(root / "student"), "qwen3", shape, seed=1, alphabet=ALPHABET)
-    cfg = {
-        "model": {"student": student},
-        "parallel": {"tp": 2, "micro_batch_size": 2, "global_batch_size": PROMPTS * N},
-        "loss": {"support": "teacher", "divergence": "jsd", "beta": 0.3},
-        "rollout": {"prompts_per_step": PROMPTS, "n": N, "max_new_tokens": 4, "max_model_len": 64,
-                    "gpu_memory_utilization": 0.2},
-        "teacher": {"teachers": [{"backend": "hf", "top_k": 4, "model": save_tiny_hf_model(
-            str(root / "teacher"), "qwen3", shape, seed=2, alphabet=ALPHABET, init_std=0.1)}]},
-        "optim": {"lr": 1e-2},
-        "data": {"num_train": DATASET, "num_eval": 2},
-        "logging": {"progress_bar": False},
-        "checkpoint": {"save_at_end": False, "export_hf_at_end": True},
-        "run": {"steps": STEPS},
-    }
-    path = root / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    # a larger step than the CPU module's: the weights must move well past the GPU's float32 bound
+    path = write_run_config(root, rollout={"gpu_memory_utilization": 0.2}, optim={"lr": 1e-2},
+                            checkpoint={"export_hf_at_end": True})
     ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
     groups = None
     try:
-        groups = WorkerGroups(load_config(str(path), OVERRIDES), world_size=2)
+        groups = WorkerGroups(load_config(path, OVERRIDES), world_size=2)
         assert groups.transport() == "colocated_ipc"
-        yield {"root": root, "config": str(path), "groups": groups, "student": student, "results": {}}
+        yield {"root": root, "config": path, "groups": groups, "student": str(root / "student"),
+               "results": {}}
     finally:
         if groups is not None:
             groups.shutdown()
@@ -93,20 +75,6 @@ def _reference_run(cluster):
     if "plain" not in cluster["results"]:
         cluster["results"]["plain"] = _run(cluster, "plain")
     return cluster["results"]["plain"]
-
-
-def _greedy(groups) -> list[list]:
-    """Each engine's greedy samples for three fixed prompts."""
-    import ray
-
-    from opkd_mcore.controller.data_plane import PromptJob
-    from opkd_mcore.rollout import SamplingConfig
-
-    jobs = [PromptJob(prompt_index=i, epoch=0, batch=0, position=i, seed=i, prompt_ids=[1, 4 + i, 5], data={})
-            for i in range(3)]
-    replies = ray.get([r.generate.remote(jobs, SamplingConfig(temperature=0.0, max_new_tokens=4))
-                       for r in groups.rollouts])
-    return [[s for group in reply.samples for s in group] for reply in replies]
 
 
 def _reference_logprobs(checkpoint: str, samples) -> list[torch.Tensor]:

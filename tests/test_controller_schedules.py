@@ -29,16 +29,12 @@ DATASET, PROMPTS, N, STEPS = 6, 2, 2, 4  # 3 steps per epoch: every run crosses 
 RAY_ONLY = ["controller.kind=ray", "controller.rollout_engines=2", "controller.sync_timeout_s=10"]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    import ray
-
-    from opkd_mcore.config import load_config
-    from opkd_mcore.controller import WorkerGroups
+def write_run_config(root, **sections) -> str:
+    """The run these modules share: tiny Qwen3 student (TP=2) and hf top-k teacher, `STEPS` sync
+    steps of `PROMPTS` x `N` samples; `sections` update its sections. Returns the YAML's path."""
     from opkd_mcore.data import ALPHABET
     from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 
-    root = tmp_path_factory.mktemp("controller")
     shape = TinyModelShape(vocab_size=32, hidden_size=128, num_layers=2, num_attention_heads=2,
                            num_key_value_heads=2, intermediate_size=256, max_position_embeddings=64)
     cfg = {
@@ -55,15 +51,29 @@ def cluster(tmp_path_factory):
         "checkpoint": {"save_at_end": False, "export_hf_at_end": False},
         "run": {"steps": STEPS},
     }
+    for name, values in sections.items():
+        cfg[name].update(values)
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    import ray
+
+    from opkd_mcore.config import load_config
+    from opkd_mcore.controller import WorkerGroups
+
+    root = tmp_path_factory.mktemp("controller")
+    path = write_run_config(root)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}})
     groups = None
     try:
-        groups = WorkerGroups(load_config(str(path), RAY_ONLY), world_size=2)
+        groups = WorkerGroups(load_config(path, RAY_ONLY), world_size=2)
         initial = _greedy(groups)  # the engines as started: the student's initial checkpoint
-        yield {"root": root, "config": str(path), "groups": groups, "results": {}, "initial": initial}
+        yield {"root": root, "config": path, "groups": groups, "results": {}, "initial": initial}
     finally:
         if groups is not None:
             groups.shutdown()

@@ -245,7 +245,7 @@ def bench_lm_head_cell(n, hidden, vocab, name, args, group, rank, tp, timed):
     logits_bytes = n * w.shape[0] * h.element_size()
     made = _make_methods(h, w, dense, topk, obj, group, args.methods.split(","))
     results: dict[str, list] = {m: [] for m in made}
-    for _ in range(max(1, getattr(args, "rounds", 1))):
+    for _ in range(max(1, args.rounds)):
         for method, m in made.items():
             results[method].append(_time_method(m, timed, args, group))
     rows, rate = [], None

@@ -56,7 +56,7 @@ from opkd_mcore.config.schema import (
     TeacherEndpoint,
     TrainConfig,
 )
-from opkd_mcore.platform.device import DEVICE_TYPES
+from opkd_mcore.platform.device import DEVICE_TYPES, device_type, is_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -416,10 +416,10 @@ def _check_schedule(cfg: TrainConfig) -> None:
         raise ConfigError("weight_sync.transport: colocated_ipc moves weights between processes on one "
                           "device; disaggregated rollout engines need group (or auto)")
     if ctl.kind == "ray" and ctl.placement == "colocated" and cfg.weight_sync.transport == "group" \
-            and cfg.run.device not in (None, "cpu"):
+            and not is_cpu(cfg.run.device):   # None: the device this driver finds, as the run will
         raise ConfigError(f"weight_sync.transport: group puts colocated engine 0 on trainer rank 0's "
-                          f"device, and a {cfg.run.device} collective refuses two members on one device; "
-                          "use colocated_ipc (or auto) with placement: colocated")
+                          f"device, and a {device_type(cfg.run.device)} collective refuses two members "
+                          "on one device; use colocated_ipc (or auto) with placement: colocated")
     if ctl.kind == "ray" and ctl.placement == "colocated":
         engines_devices = ctl.rollout_engines * ctl.rollout_tp
         if engines_devices > launch_world_size(cfg):

@@ -235,23 +235,18 @@ class WorkerGroups:
         trainer ranks' devices (colocated, accelerator); the stateless group everywhere else.
 
         Colocated engines on accelerators cannot join a group transport: engine e shares trainer rank
-        e's device, and an accelerator collective refuses two members on one device. Engines on the
-        other ranks' devices map rank 0's buffers through peer access, which reaches one node only."""
+        e's device, and an accelerator collective refuses two members on one device (`transport:
+        group` there is a config error, `config.validate`). Engines on the other ranks' devices map
+        rank 0's buffers through peer access, which reaches one node only."""
         from opkd_mcore.platform import is_cpu
 
         name = self.cfg.weight_sync.transport
         colocated = self.placement.kind == "colocated" and not is_cpu(self.cfg.run.device)
-        if colocated:
-            nodes = self.placement.nodes()
-            if len(nodes) > 1:
-                raise RuntimeError(f"controller.placement: colocated engines read trainer rank 0's "
-                                   f"buffers by device IPC, which stays on one node; the shared pool "
-                                   f"spans {len(nodes)} nodes ({sorted(nodes)}); use placement: "
-                                   "disaggregated, or fewer trainer ranks")
-            if name == "group":
-                raise RuntimeError("weight_sync.transport: group puts colocated engine 0 on trainer rank "
-                                   "0's device, which an accelerator collective refuses; use colocated_ipc "
-                                   "(or auto)")
+        if colocated and len(nodes := self.placement.nodes()) > 1:
+            raise RuntimeError(f"controller.placement: colocated engines read trainer rank 0's buffers by "
+                               f"device IPC, which stays on one node; the shared pool spans {len(nodes)} "
+                               f"nodes ({sorted(nodes)}); use placement: disaggregated, or fewer trainer "
+                               "ranks")
         if name != "auto":
             return name
         return "colocated_ipc" if colocated else "group"
