@@ -374,9 +374,8 @@ class AsyncPolicy:
         work = StepWork(groups=[])
         start = time.perf_counter()
         while len(work.groups) < size:
-            pipe.wait_until(lambda: len(pipe.done) > len(work.groups) + len(work.dropped),
-                            f"rollout for step {step}", timeout)
-            taken = {g.job.key for g in work.groups} | {g.job.key for g, _ in work.dropped}
+            pipe.wait_until(lambda: len(pipe.done) > len(work.groups), f"rollout for step {step}", timeout)
+            taken = {g.job.key for g in work.groups}
             group = next(g for k, g in pipe.done.items() if k not in taken)
             lag = pipe.version - group.version
             if lag <= run.max_staleness:
@@ -389,12 +388,12 @@ class AsyncPolicy:
                 reason = (f"stale: generated with v{group.version}, trainer at v{pipe.version} "
                           f"(run.max_staleness {run.max_staleness})")
                 work.dropped.append((group, reason))
+                # generated again, before anything new, and at once: while it counted as in flight
+                # the staleness bound could leave no room to generate the groups this step still needs
+                pipe.forget(group)
+                pipe.requeued += 1
+                pipe.queue.requeue([group.job])
         work.wait_rollout = time.perf_counter() - start
-        if work.dropped:  # generated again, before anything new
-            for g, _ in work.dropped:
-                pipe.forget(g)
-            pipe.requeued += len(work.dropped)
-            pipe.queue.requeue([g.job for g, _ in work.dropped])
         work.wait_teacher = pipe.wait_until(lambda: all(pipe.scored(g) for g in work.groups),
                                             f"teacher scoring for step {step}", timeout)
         return work
