@@ -121,6 +121,11 @@ case "${1:-}" in
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
         --bucket-mb "$b" --iters 5 --json "$log.json" "${@:4}" > "$log.log" 2>&1
     grep -A3 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log" ;;
+  e2e_buckets)  # e2e SHAPE LAYOUT at several bucket sizes (BUCKETS, MiB; `weight_sync.bucket_mb` defaults to 64):
+        # the first bucket's pack (the head) and the last one's load (the tail) grow with the bucket
+    for b in ${BUCKETS:-64 256 1024}; do
+      BUCKET_MB=$b timeout 200 bash "$0" e2e "${2:-qwen3-1.7b}" "${3:-tp1-disagg}"
+    done ;;
   e2e_all)  # issue 12's three end-to-end figures in one call (~6 minutes on two H200s, models made first)
     for run in "qwen3-1.7b tp1-disagg" "qwen3-8b tp1-disagg" "qwen3-8b tp2-coloc"; do
       timeout 280 bash "$0" e2e $run
