@@ -89,6 +89,29 @@ def _receiver_proc(groups, versions, queue):
         queue.put(("error", 1, traceback.format_exc()))
 
 
+def _lazy_replay_receiver_proc(groups, versions, queue):
+    """The replay handed over as a function (as the vLLM worker does): per sync, the order of the
+    posted transfers and that function's calls, and whether the model equals the reference."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        model, reference = StandInEngineModel(), StandInEngineModel()
+        receiver, replay = BucketReceiver(), BucketReplay(model_storages(model))
+        receiver.join(groups[:1], 1)
+        events, post = [], receiver._post  # a bucket's receive (the header's moves are not posted)
+        receiver._post = lambda *a: events.append("post") or post(*a)
+        per_sync = []
+        for v in versions:
+            events.clear()
+            assert receiver.receive(model.load_weights, lambda: events.append("replay") or replay) == v
+            reference.load_weights(_stage_tensors(0, v))
+            equal = all(torch.equal(a, b) for a, b in zip(_state(model).values(), _state(reference).values()))
+            per_sync.append((equal, list(events), receiver.stats.last_replayed))
+        queue.put(("receiver", 1, per_sync))
+        receiver.close()
+    except BaseException:
+        queue.put(("error", 1, traceback.format_exc()))
+
+
 def _sync_four_versions(receiver_target):
     """Stage 0 of the two-stage plan sent as versions 3..6 by a real sender process to a receiver
     process running `receiver_target(groups, versions, queue)`; returns what the receiver reported."""
@@ -328,6 +351,16 @@ def test_vllm_receiver_direct_mode_replays_and_rerecords_moved_tensors():
     assert all(equal and consistent for equal, _, consistent in per_sync)
     replayed = [n for _, n, _ in per_sync]
     assert replayed[0] == 0 and replayed[1] > 0 and replayed[2] == 0 and replayed[3] == replayed[1]
+
+
+def test_a_replay_made_on_demand_is_made_once_after_the_first_receive_is_posted():
+    """Its host work (the worker's check that the engine's tensors stayed put) overlaps bucket 0's
+    transfer instead of delaying it."""
+    per_sync = _sync_four_versions(_lazy_replay_receiver_proc)
+    assert all(equal for equal, _, _ in per_sync)
+    for _, events, _ in per_sync:
+        assert events[:2] == ["post", "replay"] and events.count("replay") == 1 and len(events) > 2
+    assert per_sync[0][2] == 0 and all(replayed > 0 for _, _, replayed in per_sync[1:])
 
 
 def _small_model() -> torch.nn.Sequential:

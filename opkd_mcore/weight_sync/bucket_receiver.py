@@ -93,18 +93,27 @@ class BucketReceiver:
         self.stats.buffer_allocations += 2
         self.stats.buffer_ptrs = [b.data_ptr() for b in self._buffers]
 
-    def receive(self, load_fn: LoadFn, replay: BucketReplay | None = None) -> int:
+    def receive(self, load_fn: LoadFn,
+                replay: BucketReplay | Callable[[], BucketReplay] | None = None) -> int:
         """Receive one full sync from every stage group; returns the weight version it carried.
-        `replay`: replays each bucket's first load as plain copies where that load was one."""
+        `replay`: replays each bucket's first load as plain copies where that load was one; or a
+        function making it, called once the first bucket's receive is posted, so that its host work
+        (a vLLM worker checks that the engine's tensors have not moved) overlaps that transfer."""
         if not self.transports:
             raise RuntimeError("receiver: call join() before receive()")
         start = time.perf_counter()
         self.stats.last_start_t = time.monotonic()
         self.stats.last_load_s = self.stats.last_wait_s = 0.0
         self.stats.last_replayed = 0
-        versions = set()
+        versions, made = set(), []
+
+        def replay_now() -> BucketReplay | None:
+            if not made:
+                made.append(replay if replay is None or isinstance(replay, BucketReplay) else replay())
+            return made[0]
+
         for transport, control in zip(self.transports, self.controls):
-            versions.add(self._receive_stage(transport, control, load_fn, replay))
+            versions.add(self._receive_stage(transport, control, load_fn, replay_now))
         if len(versions) != 1:
             raise RuntimeError(f"weight sync: stage groups sent different versions {sorted(versions)}")
         self.stats.syncs += 1
@@ -114,7 +123,7 @@ class BucketReceiver:
         return self.stats.last_version
 
     def _receive_stage(self, transport: WeightTransport, control: ControlChannel, load_fn: LoadFn,
-                       replay: BucketReplay | None) -> int:
+                       replay_now: Callable[[], BucketReplay | None]) -> int:
         header = control.recv_header()
         plan = self._accept_plan(control, header)
         buckets = plan.stage_buckets(header.stage)
@@ -125,6 +134,7 @@ class BucketReceiver:
             self._ensure_buffers(plan, transport)
         timeout = transport.cfg.timeout_s
         pending = self._post(transport, buckets, 0) if buckets else None
+        replay = replay_now()
         for i, bucket in enumerate(buckets):
             t0 = time.perf_counter()
             pending.wait(timeout)

@@ -183,10 +183,8 @@ class VllmWeightReceiver:
         if self._opkd_load_mode() == "direct":
             self._opkd_reload_s = 0.0
             self._opkd_weights_consistent = False   # until every bucket is in: a failure leaves a mix
-            # the loaders' copies, recorded once per bucket (anew if the engine's tensors moved)
-            storages = self._opkd_storages_of(model)
-            self._opkd_replay = replay_over(getattr(self, "_opkd_replay", None), storages)
-            version = receiver.receive(lambda named: model.load_weights(weights=named), self._opkd_replay)
+            version = receiver.receive(lambda named: model.load_weights(weights=named),
+                                       lambda: self._opkd_replay_for(model))
             self._opkd_weights_consistent = True
             logger.info("loaded weight version %d (in place)", version)
             return version
@@ -212,6 +210,11 @@ class VllmWeightReceiver:
                 self._opkd_weights_consistent = ok
         logger.info("loaded weight version %d", version)
         return version
+
+    def _opkd_replay_for(self, model):
+        """The loaders' copies, recorded once per bucket (anew if the engine's tensors moved)."""
+        self._opkd_replay = replay_over(getattr(self, "_opkd_replay", None), self._opkd_storages_of(model))
+        return self._opkd_replay
 
     def _opkd_storages_of(self, model) -> set[int]:
         """Storage pointers of the engine model's tensors, walked again only when they may have moved."""
