@@ -20,7 +20,7 @@ from opkd_mcore.weight_sync import copy_replay
 from opkd_mcore.weight_sync.copy_replay import BucketReplay, CopyRecorder, ModelStorages, model_storages
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from tests._dist import free_port
-from tests.test_weight_sync_transport import _collect, _sender_proc, _stage_tensors, _start
+from tests.test_weight_sync_transport import BUCKET_BYTES, _collect, _sender_proc, _stage_tensors, _start
 
 PAD_ROWS = 20  # the engine's embedding has more rows than the checkpoint's (vLLM pads the vocabulary)
 
@@ -112,14 +112,36 @@ def _lazy_replay_receiver_proc(groups, versions, queue):
         queue.put(("error", 1, traceback.format_exc()))
 
 
-def _sync_four_versions(receiver_target):
+def _split_receiver_proc(groups, versions, queue, loads_in_place):
+    """Buckets that split a layer's tensors, loaded in place or not: per sync, whether the model
+    equals the reference and how many buckets were replayed; then which buckets split a group."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        model, reference = StandInEngineModel(), StandInEngineModel()
+        receiver, replay = BucketReceiver(), BucketReplay(model_storages(model))
+        receiver.join(groups[:1], 1)
+        per_sync = []
+        for v in versions:
+            assert receiver.receive(model.load_weights, replay, loads_in_place=loads_in_place) == v
+            reference.load_weights(_stage_tensors(0, v))
+            equal = all(torch.equal(a, b) for a, b in zip(_state(model).values(), _state(reference).values()))
+            per_sync.append((equal, receiver.stats.last_replayed))
+        split = [b.splits_group for b in receiver.plan.stage_buckets(0)]
+        queue.put(("receiver", 1, (per_sync, split)))
+        receiver.close()
+    except BaseException:
+        queue.put(("error", 1, traceback.format_exc()))
+
+
+def _sync_four_versions(receiver_target, *receiver_args, bucket_bytes=BUCKET_BYTES):
     """Stage 0 of the two-stage plan sent as versions 3..6 by a real sender process to a receiver
-    process running `receiver_target(groups, versions, queue)`; returns what the receiver reported."""
+    process running `receiver_target(groups, versions, queue, *receiver_args)`; returns what the
+    receiver reported."""
     queue = mp.get_context("spawn").Queue()
     groups = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=60).stage_groups(2)
     versions = [3, 4, 5, 6]
-    procs = [_start(_sender_proc, 0, groups[0], versions, queue),
-             _start(receiver_target, groups, versions, queue)]
+    procs = [_start(_sender_proc, 0, groups[0], versions, queue, "group", bucket_bytes),
+             _start(receiver_target, groups, versions, queue, *receiver_args)]
     results = _collect(queue, 2, timeout=120)
     for p in procs:
         p.join(30)
@@ -361,6 +383,19 @@ def test_a_replay_made_on_demand_is_made_once_after_the_first_receive_is_posted(
     for _, events, _ in per_sync:
         assert events[:2] == ["post", "replay"] and events.count("replay") == 1 and len(events) > 2
     assert per_sync[0][2] == 0 and all(replayed > 0 for _, _, replayed in per_sync[1:])
+
+
+@pytest.mark.parametrize("loads_in_place", [True, False])
+def test_buckets_that_split_a_layer_are_replayed_when_the_load_is_in_place(loads_in_place):
+    """A layer larger than a bucket spans buckets. A load that keeps the bucket's tensors past its
+    return (vLLM's layerwise reload) gets copies of a split layer's, so those buckets are never
+    replayed; an in-place load (vLLM's direct load) gets views, and every bucket is replayed.
+    Either way the model equals the reference loaded from the same bytes."""
+    per_sync, split = _sync_four_versions(_split_receiver_proc, loads_in_place, bucket_bytes=4096)
+    assert sum(split) >= 3 and not all(split)
+    assert all(equal for equal, _ in per_sync)
+    expected = len(split) if loads_in_place else len(split) - sum(split)
+    assert [n for _, n in per_sync] == [0, expected, expected, expected]
 
 
 def _small_model() -> torch.nn.Sequential:

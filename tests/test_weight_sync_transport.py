@@ -41,22 +41,22 @@ def _stage_tensors(stage: int, version: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _plan() -> BucketPlan:
+def _plan(bucket_bytes: int = BUCKET_BYTES) -> BucketPlan:
     from opkd_mcore.models import WeightMeta
 
     meta = [WeightMeta(n, tuple(t.shape), t.dtype, stage) for stage in (0, 1) for n, t in _stage_tensors(stage, 0)]
-    return BucketPlan.from_metadata(meta, BUCKET_BYTES)
+    return BucketPlan.from_metadata(meta, bucket_bytes)
 
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _sender_proc(stage, group, versions, queue, transport_name="group"):
+def _sender_proc(stage, group, versions, queue, transport_name="group", bucket_bytes=BUCKET_BYTES):
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         transport = make_transport(transport_name, group, rank=0)
-        sender = WeightSender(_plan(), transport, stage)
+        sender = WeightSender(_plan(bucket_bytes), transport, stage)
         for v in versions:
             sender.sync(iter(_stage_tensors(stage, v)), v)
         s = sender.stats

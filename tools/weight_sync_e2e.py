@@ -131,7 +131,17 @@ def _phases(syncer) -> dict:
                    prologue_s=worker["last_start_t"] - worker["last_enter_t"],
                    rpc_answer_s=t["receive"] - worker["last_end_t"],
                    stamp_s=t.get("stamp", t["receive"]) - t["receive"])
+        out.update(_timeline(t, worker, sender))
     return out
+
+
+def _timeline(t: dict, worker: dict, sender) -> dict:
+    """Milliseconds from the trainer's engine call to each step of the last sync (one host, one
+    clock): what the sync waits for before the first byte moves and after the last one lands."""
+    marks = {f"send_{k}": v for k, v in (sender.stats.last_marks if sender is not None else {}).items()}
+    marks.update({f"recv_{k}": v for k, v in worker["last_marks"].items()},
+                 recv_start=worker["last_start_t"], recv_end=worker["last_end_t"], answered=t["receive"])
+    return {f"at_{k}_ms": (v - t["asked"]) * 1e3 for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
 
 
 def _idle_rpc(handle, calls: int = 10) -> dict:

@@ -44,6 +44,9 @@ class ReceiverStats:
     # ended: against the caller's clock, what reaching the engine and hearing back cost
     last_start_t: float = 0.0
     last_end_t: float = 0.0
+    # `time.monotonic()` of the last sync's steps: the header decoded, bucket 0's receive posted,
+    # the last bucket's bytes seen by the host (stage 0 / the last stage): a timeline against the sender's
+    last_marks: dict[str, float] = field(default_factory=dict)
     buffer_ptrs: list[int] = field(default_factory=list)
 
 
@@ -93,12 +96,15 @@ class BucketReceiver:
         self.stats.buffer_allocations += 2
         self.stats.buffer_ptrs = [b.data_ptr() for b in self._buffers]
 
-    def receive(self, load_fn: LoadFn,
-                replay: BucketReplay | Callable[[], BucketReplay] | None = None) -> int:
+    def receive(self, load_fn: LoadFn, replay: BucketReplay | Callable[[], BucketReplay] | None = None,
+                loads_in_place: bool = False) -> int:
         """Receive one full sync from every stage group; returns the weight version it carried.
         `replay`: replays each bucket's first load as plain copies where that load was one; or a
         function making it, called once the first bucket's receive is posted, so that its host work
-        (a vLLM worker checks that the engine's tensors have not moved) overlaps that transfer."""
+        (a vLLM worker checks that the engine's tensors have not moved) overlaps that transfer.
+        `loads_in_place`: `load_fn` copies every tensor it gets before returning (vLLM's direct
+        load), so a bucket that splits a tensor group is handed out as views, not copies (which
+        a replay could not stand in for: a copy from a temporary)."""
         if not self.transports:
             raise RuntimeError("receiver: call join() before receive()")
         start = time.perf_counter()
@@ -106,6 +112,10 @@ class BucketReceiver:
         self.stats.last_load_s = self.stats.last_wait_s = 0.0
         self.stats.last_replayed = 0
         versions, made = set(), []
+        self.stats.last_marks = {}
+
+        def load_bucket(plan: BucketPlan, bucket: Bucket, buf: torch.Tensor) -> None:
+            load_fn(self.views(plan, bucket, buf, copy_split=not loads_in_place))
 
         def replay_now() -> BucketReplay | None:
             if not made:
@@ -113,7 +123,7 @@ class BucketReceiver:
             return made[0]
 
         for transport, control in zip(self.transports, self.controls):
-            versions.add(self._receive_stage(transport, control, load_fn, replay_now))
+            versions.add(self._receive_stage(transport, control, load_bucket, replay_now))
         if len(versions) != 1:
             raise RuntimeError(f"weight sync: stage groups sent different versions {sorted(versions)}")
         self.stats.syncs += 1
@@ -122,9 +132,12 @@ class BucketReceiver:
         self.stats.last_end_t = time.monotonic()
         return self.stats.last_version
 
-    def _receive_stage(self, transport: WeightTransport, control: ControlChannel, load_fn: LoadFn,
+    def _receive_stage(self, transport: WeightTransport, control: ControlChannel,
+                       load_bucket: Callable[[BucketPlan, Bucket, torch.Tensor], None],
                        replay_now: Callable[[], BucketReplay | None]) -> int:
         header = control.recv_header()
+        marks = self.stats.last_marks
+        marks.setdefault("header", time.monotonic())
         plan = self._accept_plan(control, header)
         buckets = plan.stage_buckets(header.stage)
         if len(buckets) != header.num_buckets:
@@ -134,6 +147,7 @@ class BucketReceiver:
             self._ensure_buffers(plan, transport)
         timeout = transport.cfg.timeout_s
         pending = self._post(transport, buckets, 0) if buckets else None
+        marks.setdefault("posted", time.monotonic())
         replay = replay_now()
         for i, bucket in enumerate(buckets):
             t0 = time.perf_counter()
@@ -146,8 +160,9 @@ class BucketReceiver:
             # (polling, where the transfer itself does not block it: see `wait_host`)
             current.wait_host(timeout)
             check_trailer(buf, bucket.nbytes, header.version, bucket.index, plan.digest())
+            marks["bytes_in"] = time.monotonic()
             t1 = time.perf_counter()
-            load = lambda: load_fn(self.views(plan, bucket, buf))  # noqa: E731  (called at once)
+            load = lambda: load_bucket(plan, bucket, buf)  # noqa: E731  (called at once)
             if replay is None:
                 load()
             else:
@@ -173,13 +188,15 @@ class BucketReceiver:
         return list(self._buffers) + [b for t in self.transports for b in t.lent_buffers()]
 
     @staticmethod
-    def views(plan: BucketPlan, bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) views into `buf`; copies when the bucket splits a group (see plan.py)."""
+    def views(plan: BucketPlan, bucket: Bucket, buf: torch.Tensor,
+              copy_split: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) views into `buf`; copies when the bucket splits a group (see plan.py) and
+        `copy_split`."""
         out = []
         for i in bucket.slots:
             s = plan.slots[i]
             view = buf[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
-            out.append((s.name, view.clone() if bucket.splits_group else view))
+            out.append((s.name, view.clone() if copy_split and bucket.splits_group else view))
         return out
 
     def close(self, abort: bool = False) -> None:

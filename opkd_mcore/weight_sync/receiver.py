@@ -184,7 +184,7 @@ class VllmWeightReceiver:
             self._opkd_reload_s = 0.0
             self._opkd_weights_consistent = False   # until every bucket is in: a failure leaves a mix
             version = receiver.receive(lambda named: model.load_weights(weights=named),
-                                       lambda: self._opkd_replay_for(model))
+                                       lambda: self._opkd_replay_for(model), loads_in_place=True)
             self._opkd_weights_consistent = True
             logger.info("loaded weight version %d (in place)", version)
             return version

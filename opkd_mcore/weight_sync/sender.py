@@ -39,6 +39,9 @@ class SenderStats:
     last_pack_s: float = 0.0
     last_wait_s: float = 0.0
     last_replayed: int = 0  # buckets of the last sync packed by replaying recorded copies
+    # `time.monotonic()` of the last sync's steps: its start, the header sent (bucket 0 packed),
+    # the last bucket's transfer posted, its end: a timeline against the receivers'
+    last_marks: dict[str, float] = field(default_factory=dict)
     buffer_ptrs: list[int] = field(default_factory=list)
 
 
@@ -98,6 +101,7 @@ class WeightSender:
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version: expected a non-negative int, got {version!r}")
         start = time.perf_counter()
+        marks = self.stats.last_marks = {"start": time.monotonic()}
         control = self._ensure_ready()
         stream = iter(named_tensors)
         timeout = self.transport.cfg.timeout_s
@@ -111,6 +115,7 @@ class WeightSender:
         # waits for it, and so for the receivers to arrive, so packing it first takes it off the path
         pack_s = self._pack_bucket(0, stream, tails, replaying, fill) if self.buckets else 0.0
         self._handshake(control, version)
+        marks["header"] = time.monotonic()
         wait_s = 0.0
         for i, bucket in enumerate(self.buckets):
             if i > 0:  # overlaps the transfer of bucket i-1
@@ -123,7 +128,7 @@ class WeightSender:
                 seal()
             pending = self.transport.broadcast(self._buffers[i % 2], bucket.nbytes + TRAILER_BYTES)
             self.stats.bytes_sent += bucket.nbytes
-        t1 = time.perf_counter()
+        marks["posted_last"], t1 = time.monotonic(), time.perf_counter()
         if pending is not None:
             pending.wait(timeout)
         self.stats.last_pack_s, self.stats.last_wait_s = pack_s, wait_s + time.perf_counter() - t1
@@ -133,6 +138,7 @@ class WeightSender:
                              "(stream longer than the plan)")
         self.stats.syncs += 1
         self.stats.last_sync_s = time.perf_counter() - start
+        marks["end"] = time.monotonic()
         logger.info("weight sync v%d stage %d: %d buckets, %.1f MB in %.3f s", version, self.stage,
                     len(self.buckets), self.stats.bytes_sent / self.stats.syncs / 1e6, self.stats.last_sync_s)
         return self.stats
