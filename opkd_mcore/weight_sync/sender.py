@@ -39,7 +39,7 @@ class SenderStats:
     last_pack_s: float = 0.0
     last_wait_s: float = 0.0
     last_replayed: int = 0  # buckets of the last sync packed by replaying recorded copies
-    # `time.monotonic()` of the last sync's steps: its start, the header sent (bucket 0 packed),
+    # `time.monotonic()` of the last sync's steps: its start, bucket 0 packed, the header sent,
     # the last bucket's transfer posted, its end: a timeline against the receivers'
     last_marks: dict[str, float] = field(default_factory=dict)
     buffer_ptrs: list[int] = field(default_factory=list)
@@ -114,6 +114,7 @@ class WeightSender:
         # bucket 0 is packed before the header goes out: on accelerators the work after the header
         # waits for it, and so for the receivers to arrive, so packing it first takes it off the path
         pack_s = self._pack_bucket(0, stream, tails, replaying, fill) if self.buckets else 0.0
+        marks["packed"] = time.monotonic()
         self._handshake(control, version)
         marks["header"] = time.monotonic()
         wait_s = 0.0
