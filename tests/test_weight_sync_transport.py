@@ -519,14 +519,15 @@ def test_sync_stats_split_host_time_into_pack_wait_and_load():
     bucket_sizes, load_s, recv_wait_s, recv_total_s = results["receiver"]
     n_buckets, n_tensors = len(bucket_sizes), len(_stage_tensors(1, 0))
     assert sum(bucket_sizes) == n_tensors
-    # bucket 0 is exported before the header (the first broadcast), the next bucket after it
-    assert events[:bucket_sizes[0] + 2] == ["export"] * bucket_sizes[0] + ["broadcast"] * 2
+    # the header goes out first, so that the receivers have it when they ask; bucket 0 is
+    # exported meanwhile, then the plan (this being the group's first sync) and bucket 0 go
+    assert events[:bucket_sizes[0] + 3] == ["broadcast"] + ["export"] * bucket_sizes[0] + ["broadcast"] * 2
     assert pack_s >= n_tensors * export_delay
     assert pack_s + send_wait_s <= send_total_s
     assert n_buckets >= 2 and load_s >= n_buckets * load_delay
     assert load_s + recv_wait_s <= recv_total_s
     # the receiver cannot load what the sender has not exported yet. Bucket 0 is exported before
-    # the header goes out (the receiver waits for it in the header, outside these counters); the
+    # the plan goes out (the receiver waits for it in the handshake, outside these counters); the
     # export of the rest it spent loading earlier buckets or waiting, and the last bucket's load
     # comes after all of it
     after_first = (n_tensors - bucket_sizes[0]) * export_delay

@@ -114,6 +114,10 @@ class ColocatedIpcTransport(WeightTransport):
         return _Lazy(self._ack)
 
     @property
+    def broadcast_waits(self) -> bool:
+        return self.is_sender  # the sender waits for the device, then for the receivers' control message
+
+    @property
     def lends_buffers(self) -> bool:
         return not self.is_sender
 

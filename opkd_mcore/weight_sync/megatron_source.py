@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from opkd_mcore.platform import current_device
 
-from opkd_mcore.weight_sync.copy_replay import ModelStorages, replay_over
+from opkd_mcore.weight_sync.copy_replay import BucketReplay, ModelStorages, replay_over
 from opkd_mcore.weight_sync.peer_export import TP_EXPORTS, PeerExport
 from opkd_mcore.weight_sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
 from opkd_mcore.weight_sync.sender import SenderStats, WeightSender
@@ -144,6 +144,7 @@ class MegatronWeightSync:
         self.sources = sorted({source_of(m, self.ep) for m in self.metadata if _my_parts(m, stage)})
         self.sender: WeightSender | None = None
         self._storages = ModelStorages(*model_chunks)  # walks the chunks only when they may have changed
+        self._replay: BucketReplay | None = None  # the sender's records of its packs
         if self.source is not None:
             transport = make_transport(cfg.transport, self.groups[self.source], rank=0)
             self.sender = WeightSender(self.plan, transport, self.source)
@@ -246,8 +247,12 @@ class MegatronWeightSync:
 
     def _arm_replay(self) -> None:
         """The sender records its packs over the model's storages (anew whenever they moved, as a
-        checkpoint load that replaced parameters does)."""
-        self.sender.replay = replay_over(self.sender.replay, self._storages.current(), into_model=False)
+        checkpoint load that replaced parameters does), checked once the sync's header is out."""
+        self.sender.replay = self._current_replay
+
+    def _current_replay(self) -> BucketReplay:
+        self._replay = replay_over(self._replay, self._storages.current(), into_model=False)
+        return self._replay
 
     def close(self, abort: bool = False) -> None:
         """`abort`: an engine of the group died; leave without waiting for it."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from opkd_mcore.weight_sync.plan import BucketPlan, PlanMismatchError
-from opkd_mcore.weight_sync.transport import WeightTransport
+from opkd_mcore.weight_sync.transport import PendingTransfer, WeightTransport
 
 HEADER_MAGIC = 0x6F706B6468647231  # "opkdhdr1"
 TRAILER_MAGIC = 0x6F706B6474726C31  # "opkdtrl1"
@@ -63,9 +63,13 @@ class ControlChannel:
     def _timeout(self) -> float:
         return self.transport.cfg.timeout_s
 
-    def send_header(self, header: SyncHeader) -> None:
-        self.header_buf.copy_(torch.tensor(header.encode(), dtype=torch.int64).view(torch.uint8))
-        self.transport.broadcast(self.header_buf, self.header_buf.numel()).wait(self._timeout())
+    def post_header(self, header: SyncHeader) -> PendingTransfer:
+        """The header's transfer, not waited for. Its bytes go from host memory in a copy that
+        does not wait for the device's queue (a blocking one would wait for all work queued
+        before it); the buffer is next written by the next sync, queued after this one's buckets."""
+        words = torch.tensor(header.encode(), dtype=torch.int64).view(torch.uint8)
+        self.header_buf.copy_(words, non_blocking=True)
+        return self.transport.broadcast(self.header_buf, self.header_buf.numel())
 
     def recv_header(self) -> SyncHeader:
         self.transport.broadcast(self.header_buf, self.header_buf.numel()).wait_for_host(self._timeout())

@@ -39,8 +39,8 @@ class SenderStats:
     last_pack_s: float = 0.0
     last_wait_s: float = 0.0
     last_replayed: int = 0  # buckets of the last sync packed by replaying recorded copies
-    # `time.monotonic()` of the last sync's steps: its start, bucket 0 packed, the header sent,
-    # the last bucket's transfer posted, its end: a timeline against the receivers'
+    # `time.monotonic()` of the last sync's steps: its start, bucket 0 packed, the header (and
+    # plan) out, the last bucket's transfer posted, its end: a timeline against the receivers'
     last_marks: dict[str, float] = field(default_factory=dict)
     buffer_ptrs: list[int] = field(default_factory=list)
 
@@ -50,9 +50,9 @@ class WeightSender:
 
     def __init__(self, plan: BucketPlan, transport: WeightTransport, stage: int = 0):
         """`replay` (set later by the caller, `None` = off): a `BucketReplay` over the storages of
-        the tensors the stream hands out; once every bucket's pack was recorded as pure copies, a
-        sync replays them and does not walk the stream at all (the stream must then be lazy and
-        free of collectives)."""
+        the tensors the stream hands out, or a function making it (called once the sync's header
+        is out); once every bucket's pack was recorded as pure copies, a sync replays them and
+        does not walk the stream at all (the stream must then be lazy and free of collectives)."""
         if stage not in plan.stages:
             raise ValueError(f"stage: plan has stages {plan.stages}, got {stage}")
         if not transport.is_sender:
@@ -62,7 +62,7 @@ class WeightSender:
         self.stats = SenderStats()
         self._control: ControlChannel | None = None
         self._buffers: list[torch.Tensor] = []
-        self.replay: BucketReplay | None = None
+        self.replay: BucketReplay | Callable[[], BucketReplay] | None = None
 
     def _ensure_ready(self) -> ControlChannel:
         if self._control is None:
@@ -80,12 +80,18 @@ class WeightSender:
             self.stats.buffer_ptrs = [b.data_ptr() for b in self._buffers]
         return self._buffers
 
-    def _handshake(self, control: ControlChannel, version: int) -> None:
+    def _post_header(self, control: ControlChannel, version: int) -> tuple[PendingTransfer, str | None]:
+        """The header's transfer (not waited for), and the plan's text where the plan follows it."""
         first = control.handshaken_digest != self.plan.digest()
         header, text = plan_header(self.plan, version, self.stage, send_plan=first)
-        control.send_header(header)
-        if first:
-            control.move_plan(text, header.plan_nbytes)
+        return control.post_header(header), text
+
+    def _finish_handshake(self, control: ControlChannel, posted: tuple[PendingTransfer, str | None]) -> None:
+        """After the header: the plan and every member's verdict on it, where the plan was sent."""
+        header, text = posted
+        header.wait(self.transport.cfg.timeout_s)  # before any other transfer: some acknowledge each
+        if text is not None:
+            control.move_plan(text, len(text.encode()))
             control.agree(None)
             control.handshaken_digest = self.plan.digest()
             self.stats.handshakes += 1
@@ -106,21 +112,11 @@ class WeightSender:
         stream = iter(named_tensors)
         timeout = self.transport.cfg.timeout_s
         pending: PendingTransfer | None = None
-        replaying = self.replay is not None and \
-            all(self.replay.replayable(self._key(i)) for i in range(len(self.buckets)))
-        self.stats.last_replayed = 0
-        tails = trailers([b.index for b in self.buckets], version, self.plan.digest(),
-                         self._buffers[0].device)
-        # bucket 0 is packed before the header goes out: on accelerators the work after the header
-        # waits for it, and so for the receivers to arrive, so packing it first takes it off the path
-        pack_s = self._pack_bucket(0, stream, tails, replaying, fill) if self.buckets else 0.0
-        marks["packed"] = time.monotonic()
-        self._handshake(control, version)
-        marks["header"] = time.monotonic()
+        pack_s, replay, tails = self._begin(control, version, stream, fill)
         wait_s = 0.0
         for i, bucket in enumerate(self.buckets):
             if i > 0:  # overlaps the transfer of bucket i-1
-                pack_s += self._pack_bucket(i, stream, tails, replaying, fill)
+                pack_s += self._pack_bucket(i, stream, tails, replay, fill)
             t1 = time.perf_counter()
             if pending is not None:
                 pending.wait(timeout)
@@ -133,7 +129,7 @@ class WeightSender:
         if pending is not None:
             pending.wait(timeout)
         self.stats.last_pack_s, self.stats.last_wait_s = pack_s, wait_s + time.perf_counter() - t1
-        leftover = None if replaying or fill is not None else next(stream, None)
+        leftover = None if replay[1] or fill is not None else next(stream, None)
         if leftover is not None:
             raise ValueError(f"named_tensors: tensor {leftover[0]!r} is not in stage {self.stage}'s plan "
                              "(stream longer than the plan)")
@@ -144,17 +140,41 @@ class WeightSender:
                     len(self.buckets), self.stats.bytes_sent / self.stats.syncs / 1e6, self.stats.last_sync_s)
         return self.stats
 
+    def _begin(self, control: ControlChannel, version: int, stream: Iterator[tuple[str, torch.Tensor]],
+               fill: Callable[[int, torch.Tensor], None] | None) -> tuple[float, tuple, torch.Tensor]:
+        """The header (and the plan, where it must move) out and bucket 0 packed; returns the host
+        seconds packing, (the replay, every bucket replayable), and every bucket's trailer."""
+        # The header goes out first and is waited for after bucket 0 is packed: the receivers, who
+        # wait for it before they post any bucket's receive, get it as soon as they ask, and
+        # packing bucket 0 overlaps that wait (on accelerators, the work queued after a waited
+        # transfer waits for it, and so for the receivers to arrive). Where posting it already
+        # waits for them, bucket 0 is packed first instead.
+        header = None if self.transport.broadcast_waits else self._post_header(control, version)
+        replay = self.replay() if callable(self.replay) else self.replay
+        replaying = replay is not None and all(replay.replayable(self._key(i))
+                                               for i in range(len(self.buckets)))
+        self.stats.last_replayed = 0
+        tails = trailers([b.index for b in self.buckets], version, self.plan.digest(),
+                         self._buffers[0].device)
+        pack_s = self._pack_bucket(0, stream, tails, (replay, replaying), fill) if self.buckets else 0.0
+        self.stats.last_marks["packed"] = time.monotonic()
+        self._finish_handshake(control, header or self._post_header(control, version))
+        self.stats.last_marks["header"] = time.monotonic()
+        return pack_s, (replay, replaying), tails
+
     def _pack_bucket(self, i: int, stream: Iterator[tuple[str, torch.Tensor]], tails: torch.Tensor,
-                     replaying: bool, fill: Callable[[int, torch.Tensor], None] | None) -> float:
-        """Bucket i into its buffer (packed, filled, or replayed), then its trailer (row i of
-        `tails`); returns host seconds."""
+                     replay: tuple[BucketReplay | None, bool],
+                     fill: Callable[[int, torch.Tensor], None] | None) -> float:
+        """Bucket i into its buffer (packed, filled, or replayed where `replay` = (the replay, every
+        bucket replayable)), then its trailer (row i of `tails`); returns host seconds."""
         start, bucket, buf = time.perf_counter(), self.buckets[i], self._buffers[i % 2]
         pack = (lambda: fill(i, buf)) if fill is not None else (lambda: self._pack(bucket, buf, stream))
-        if self.replay is None:
+        records, replaying = replay
+        if records is None:
             pack()
         else:
             # all or none: a replayed bucket would leave its tensors unread in the stream
-            self.stats.last_replayed += self.replay.run(self._key(i), buf, pack, may_replay=replaying)
+            self.stats.last_replayed += records.run(self._key(i), buf, pack, may_replay=replaying)
         buf[bucket.nbytes:bucket.nbytes + TRAILER_BYTES].copy_(tails[i])
         return time.perf_counter() - start
 

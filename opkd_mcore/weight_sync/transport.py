@@ -79,6 +79,12 @@ class WeightTransport(ABC):
         return self.rank == SENDER_RANK
 
     @property
+    def broadcast_waits(self) -> bool:
+        """True where `broadcast` itself blocks the sender's host until the receivers take part
+        (a handshake per transfer), rather than only queuing the transfer."""
+        return False
+
+    @property
     def lends_buffers(self) -> bool:
         """True on a receiver that reads the sender's buffers in place (`receive_lent`): a copy
         into a buffer of its own would only move every byte once more on the same device."""
