@@ -121,7 +121,7 @@ case "${1:-}" in
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
         --bucket-mb "$b" --iters 5 --json "$log.json" "${@:4}" > "$log.log" 2>&1
     grep -A3 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log" ;;
-  e2e_buckets)  # e2e SHAPE LAYOUT at several bucket sizes (BUCKETS, MiB; `weight_sync.bucket_mb` defaults to 64):
+  e2e_buckets)  # e2e SHAPE LAYOUT at several bucket sizes (BUCKETS, MiB; `weight_sync.bucket_mb` defaults to 256):
         # the first bucket's pack (the head) and the last one's load (the tail) grow with the bucket
     for b in ${BUCKETS:-64 256 1024}; do
       BUCKET_MB=$b timeout 200 bash "$0" e2e "${2:-qwen3-1.7b}" "${3:-tp1-disagg}"
