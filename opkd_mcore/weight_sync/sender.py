@@ -39,8 +39,9 @@ class SenderStats:
     last_pack_s: float = 0.0
     last_wait_s: float = 0.0
     last_replayed: int = 0  # buckets of the last sync packed by replaying recorded copies
-    # `time.monotonic()` of the last sync's steps: its start, bucket 0 packed, the header (and
-    # plan) out, the last bucket's transfer posted, its end: a timeline against the receivers'
+    # `time.monotonic()` of the last sync's steps: its start, the header posted (before bucket 0 is
+    # packed, or after where posting waits), bucket 0 packed, the header (and plan) waited for, the
+    # last bucket's transfer posted, its end: a timeline against the receivers'
     last_marks: dict[str, float] = field(default_factory=dict)
     buffer_ptrs: list[int] = field(default_factory=list)
 
@@ -84,7 +85,9 @@ class WeightSender:
         """The header's transfer (not waited for), and the plan's text where the plan follows it."""
         first = control.handshaken_digest != self.plan.digest()
         header, text = plan_header(self.plan, version, self.stage, send_plan=first)
-        return control.post_header(header), text
+        posted = control.post_header(header)
+        self.stats.last_marks["header_posted"] = time.monotonic()
+        return posted, text
 
     def _finish_handshake(self, control: ControlChannel, posted: tuple[PendingTransfer, str | None]) -> None:
         """After the header: the plan and every member's verdict on it, where the plan was sent."""
@@ -159,7 +162,7 @@ class WeightSender:
         pack_s = self._pack_bucket(0, stream, tails, (replay, replaying), fill) if self.buckets else 0.0
         self.stats.last_marks["packed"] = time.monotonic()
         self._finish_handshake(control, header or self._post_header(control, version))
-        self.stats.last_marks["header"] = time.monotonic()
+        self.stats.last_marks["handshaken"] = time.monotonic()
         return pack_s, (replay, replaying), tails
 
     def _pack_bucket(self, i: int, stream: Iterator[tuple[str, torch.Tensor]], tails: torch.Tensor,
