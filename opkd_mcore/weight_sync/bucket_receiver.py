@@ -8,6 +8,7 @@ overlaps loading bucket i.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -111,16 +112,12 @@ class BucketReceiver:
         self.stats.last_start_t = time.monotonic()
         self.stats.last_load_s = self.stats.last_wait_s = 0.0
         self.stats.last_replayed = 0
-        versions, made = set(), []
+        versions = set()
         self.stats.last_marks = {}
+        replay_now = functools.cache(replay) if callable(replay) else lambda: replay  # made once
 
         def load_bucket(plan: BucketPlan, bucket: Bucket, buf: torch.Tensor) -> None:
             load_fn(self.views(plan, bucket, buf, copy_split=not loads_in_place))
-
-        def replay_now() -> BucketReplay | None:
-            if not made:
-                made.append(replay if replay is None or isinstance(replay, BucketReplay) else replay())
-            return made[0]
 
         for transport, control in zip(self.transports, self.controls):
             versions.add(self._receive_stage(transport, control, load_bucket, replay_now))
