@@ -58,12 +58,14 @@ def test_nccl_weight_sync_groups_abort_their_communicator_instead_of_the_process
         def __init__(self, store, rank, world_size, options):
             seen.update({k: os.environ.get(k) for k in SETTINGS})
             seen["timeout"] = options._timeout
+            seen["high_priority"] = options.is_high_priority_stream
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", RecordingProcessGroupNCCL, raising=False)
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
-    stateless_group._torch_backend("nccl", None, 0, 2, timedelta(seconds=5))
+    stateless_group._torch_backend("nccl", None, 0, 2, timedelta(seconds=5), high_priority=True)
     assert seen == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-                    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0", "timeout": timedelta(seconds=5)}
+                    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0", "timeout": timedelta(seconds=5),
+                    "high_priority": True}
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ

@@ -309,25 +309,43 @@ class FakeGroupFactoryForSelectionTest:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, host, port, rank, world_size, *, backend, timeout_s, join_timeout_s, listener=None):
+    def __call__(self, host, port, rank, world_size, *, backend, timeout_s, join_timeout_s, listener=None,
+                 high_priority):
         self.calls.append(dict(host=host, port=port, rank=rank, world_size=world_size, backend=backend,
-                               timeout_s=timeout_s, join_timeout_s=join_timeout_s))
+                               timeout_s=timeout_s, join_timeout_s=join_timeout_s,
+                               high_priority=high_priority))
         return object()
 
 
+@pytest.mark.parametrize("high_priority", [True, False])
 @pytest.mark.parametrize("device,backend", [("npu", "hccl"), ("cuda", "nccl"), ("cpu", "gloo")])
-def test_backend_and_multinode_host_selection(monkeypatch, device, backend):
+def test_backend_and_multinode_host_selection(monkeypatch, device, backend, high_priority):
     import opkd_mcore.weight_sync.group_transport as gt
 
     fake = FakeGroupFactoryForSelectionTest()
     monkeypatch.setattr(gt, "new_stateless_group", fake)
     cfg = SyncGroupsConfig(host="10.1.2.3", base_port=31000, num_receivers=8, timeout_s=42,
-                           join_timeout_s=99).stage_groups(2)[1]
+                           join_timeout_s=99, high_priority=high_priority).stage_groups(2)[1]
     cfg.device = device
     transport = make_transport("group", cfg, rank=0)
     transport.connect()
     assert fake.calls == [dict(host="10.1.2.3", port=31001, rank=0, world_size=9, backend=backend, timeout_s=42,
-                               join_timeout_s=99)]
+                               join_timeout_s=99, high_priority=high_priority)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("high_priority", [True, False])
+def test_nccl_group_streams_take_the_priority_asked_for(high_priority):
+    """A sync group's NCCL streams are high-priority unless asked otherwise: the next bucket's pack
+    then does not hold the SMs when a transfer's kernel starts (docs/benchmarks.md)."""
+    from opkd_mcore.platform.stateless_group import destroy_stateless_group, new_stateless_group
+
+    pg = new_stateless_group("127.0.0.1", free_port(), 0, 1, backend="nccl", timeout_s=60,
+                             high_priority=high_priority)
+    try:
+        assert pg._get_backend(torch.device("cuda")).options.is_high_priority_stream is high_priority
+    finally:
+        destroy_stateless_group(pg)
 
 
 def _occupy(port: int) -> socket.socket | None:
@@ -482,7 +500,7 @@ def _slow_sender_proc(group, delay_s, queue):
 
         transport.broadcast = logged_broadcast
         s = sender.sync(slow_export(), 5)
-        queue.put(("sender", 1, (s.last_pack_s, s.last_wait_s, s.last_sync_s, events)))
+        queue.put(("sender", 1, (s.last_pack_s, s.last_wait_s, s.last_sync_s, events, s.last_marks)))
         transport.close()
     except BaseException:
         queue.put(("error", 1, traceback.format_exc()))
@@ -496,7 +514,8 @@ def _slow_receiver_proc(group, delay_s, queue):
         buckets = []
         receiver.receive(lambda named: (buckets.append(len(named)), time.sleep(delay_s)))
         s = receiver.stats
-        queue.put(("receiver", 1, (buckets, s.last_load_s, s.last_wait_s, s.last_sync_s)))
+        queue.put(("receiver", 1, (buckets, s.last_load_s, s.last_wait_s, s.last_sync_s,
+                                   dict(s.last_marks, start=s.last_start_t, end=s.last_end_t))))
         receiver.close()
     except BaseException:
         queue.put(("error", 1, traceback.format_exc()))
@@ -515,8 +534,8 @@ def test_sync_stats_split_host_time_into_pack_wait_and_load():
     for p in procs:
         p.join(30)
     assert "error" not in results, results["error"]
-    pack_s, send_wait_s, send_total_s, events = results["sender"]
-    bucket_sizes, load_s, recv_wait_s, recv_total_s = results["receiver"]
+    pack_s, send_wait_s, send_total_s, events, send_marks = results["sender"]
+    bucket_sizes, load_s, recv_wait_s, recv_total_s, recv_marks = results["receiver"]
     n_buckets, n_tensors = len(bucket_sizes), len(_stage_tensors(1, 0))
     assert sum(bucket_sizes) == n_tensors
     # the header goes out first, so that the receivers have it when they ask; bucket 0 is
@@ -533,6 +552,18 @@ def test_sync_stats_split_host_time_into_pack_wait_and_load():
     after_first = (n_tensors - bucket_sizes[0]) * export_delay
     assert recv_wait_s + load_s >= after_first
     assert recv_wait_s >= after_first - load_s * (n_buckets - 1) / n_buckets > 0
+    # the timeline (`time.monotonic()`, one clock for both processes): each end's steps in order,
+    # and the receiver sees the header only after the sender posted it, the last bytes only after
+    # the sender posted the last bucket
+    assert _in_order(send_marks, "start", "header_posted", "packed", "handshaken", "posted_last", "end")
+    assert _in_order(recv_marks, "start", "header_landed", "header", "posted", "bytes_in", "end")
+    assert send_marks["header_posted"] <= recv_marks["header_landed"]
+    assert send_marks["posted_last"] <= recv_marks["bytes_in"]
+    assert send_marks["packed"] - send_marks["header_posted"] >= bucket_sizes[0] * export_delay
+
+
+def _in_order(marks: dict[str, float], *names: str) -> bool:
+    return [marks[n] for n in names] == sorted(marks[n] for n in names)
 
 
 class _TeardownWaitsForPeer:

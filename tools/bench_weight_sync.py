@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--transport", default="group", help="registered transport name")
     p.add_argument("--no-load", action="store_true", help="receiver skips copying into its model")
     p.add_argument("--same-device", action="store_true", help="both processes on device 0 (colocated)")
+    p.add_argument("--stream-priority", default="high", choices=("high", "normal"),
+                   help="device stream of the group's transfers (weight_sync.high_priority_stream)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--e2e", action="store_true",
                    help="end to end: Megatron export + transfer + load into a running vLLM engine (GPU)")
@@ -122,7 +124,8 @@ def worker(rank: int, args, port: int, queue) -> None:
     dtype, shapes = DTYPES[args.dtype], model_shapes(args.shape)
     model = _make_tensors(shapes, dtype, device, 1.0 + rank)
     plan = BucketPlan.from_named_tensors(model.items(), args.bucket_mb << 20)
-    cfg = TransportConfig(port=port, world_size=2, timeout_s=600, device=kind)
+    cfg = TransportConfig(port=port, world_size=2, timeout_s=600, device=kind,
+                          high_priority=args.stream_priority == "high")
     total = plan.total_bytes
     result = {"rank": rank}
     if rank == 0:
@@ -192,6 +195,7 @@ def main(argv=None) -> int:
                raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
                receiver_verified=receiver["verified"], device=sender["device_name"], transport=args.transport,
                load=not args.no_load, sync_all_s=receiver["sync_s"], raw_all_s=receiver["raw_s"],
+               stream_priority=args.stream_priority,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__)
     print("| transport | shape | dtype | GB | buckets | sync s | sync GB/s | raw s | raw GB/s | sync/raw |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

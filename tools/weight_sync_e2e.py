@@ -66,6 +66,7 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
     cfg.rollout.gpu_memory_utilization, cfg.rollout.max_model_len = 0.3, 256
     cfg.weight_sync.bucket_mb, cfg.weight_sync.transport = args.bucket_mb, transport
     cfg.weight_sync.tp_export = args.tp_export
+    cfg.weight_sync.high_priority_stream = args.stream_priority == "high"
     rollout = build_rollout(cfg) if rank == 0 else None  # vLLM's worker takes GPU 0
     if rollout is not None and args.trainer_cpus:
         _split_cpus(args.trainer_cpus)
@@ -191,7 +192,9 @@ def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, transport_nam
 
     first_gpu = LAYOUTS[args.layout][1] if transport_name != "group" else 1
     torch.cuda.set_device(first_gpu if rank == 0 else 0)
-    transport = make_transport(transport_name, TransportConfig(port=port, world_size=2, timeout_s=600), rank)
+    cfg = TransportConfig(port=port, world_size=2, timeout_s=600,
+                          high_priority=args.stream_priority == "high")
+    transport = make_transport(transport_name, cfg, rank)
     transport.connect()
     buf = transport.alloc_buffer(chunk)
     times = _timed(lambda i: _raw_broadcast(transport, buf, total_bytes, 600), torch.device("cuda"),
@@ -236,6 +239,7 @@ def run_e2e(args) -> dict:
                 engine_version=e2e["version"], device=e2e["device"], sync_all_s=e2e["sync_s"],
                 raw_all_s=raw[1], phases=phases, idle_rpc=e2e["idle_rpc"], cpus=e2e["cpus"],
                 trainer_cpus=args.trainer_cpus, tp_export=args.tp_export,
+                stream_priority=args.stream_priority,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 torch=torch.__version__)
 

@@ -141,6 +141,7 @@ class WeightSyncSection:
     every_steps: int = 1  # sync every N steps (1 = fully on-policy)
     host: str = "127.0.0.1"  # address the weight-sync groups rendezvous on (rank 0's, reachable by the engines)
     tp_export: str = "auto"  # TP > 1, dense: peer (TP ranks write into the sender's buckets) | gather | auto
+    high_priority_stream: bool = True  # accelerators: the transfers' kernels go ahead of the next bucket's pack (docs/benchmarks.md)
 
 
 @dataclass(kw_only=True)

@@ -120,7 +120,8 @@ class TrainerWorker:
         ws, ctl = self.cfg.weight_sync, self.cfg.controller
         groups = SyncGroupsConfig(host=host or ray.util.get_node_ip_address(), base_port=0,
                                   num_receivers=num_receivers, timeout_s=ctl.sync_timeout_s,
-                                  bucket_bytes=ws.bucket_mb << 20, transport=transport, tp_export=ws.tp_export)
+                                  bucket_bytes=ws.bucket_mb << 20, transport=transport,
+                                  tp_export=ws.tp_export, high_priority=ws.high_priority_stream)
         self.weight_sync = MegatronWeightSync(self.chunks, groups)
         return [dataclasses.asdict(g) for g in self.weight_sync.bind()]
 

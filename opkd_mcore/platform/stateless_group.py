@@ -114,13 +114,18 @@ def _environ(**values: str):
                 os.environ[k] = v
 
 
-def _torch_backend(backend: str, store, rank: int, world_size: int, timeout: timedelta):
+def _torch_backend(backend: str, store, rank: int, world_size: int, timeout: timedelta,
+                   high_priority: bool):
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout), torch.device("cpu"), \
             dist.ProcessGroup.BackendType.GLOO
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
+        # the transfers' kernels then get the SMs ahead of copy kernels made ready at the same
+        # moment: a weight-sync sender packs bucket i+1 as soon as bucket i-1's transfer ends, which
+        # is when bucket i's starts, and at normal priority the pack's blocks took the SMs first
+        options.is_high_priority_stream = high_priority
         # read once, by this constructor: on a transfer past the group's timeout (an engine that hung
         # or died mid-sync) the watchdog aborts this group's communicator and the next transfer on it
         # fails, instead of torch's default of taking the whole trainer process down (seen on two
@@ -150,12 +155,13 @@ def _torch_store(host: str, port: int, rank: int, world_size: int, join_timeout:
 
 def _torch_stateless_group(host: str, port: int, rank: int, world_size: int, backend: str,
                            timeout: timedelta, join_timeout: timedelta,
-                           listener: GroupListener | None) -> dist.ProcessGroup:
+                           listener: GroupListener | None, high_priority: bool) -> dist.ProcessGroup:
     store = _torch_store(host, port, rank, world_size, join_timeout, listener)
     store.set_timeout(timeout)
     prefix_store = dist.PrefixStore(f"opkd_stateless/{host}:{port}", store)
     pg = dist.ProcessGroup(prefix_store, rank, world_size)
-    backend_obj, device, backend_type = _torch_backend(backend, prefix_store, rank, world_size, timeout)
+    backend_obj, device, backend_type = _torch_backend(backend, prefix_store, rank, world_size, timeout,
+                                                         high_priority)
     pg._set_default_backend(backend_type)
     backend_obj._set_sequence_number_for_group()
     pg._register_backend(device, backend_type, backend_obj)
@@ -166,9 +172,12 @@ def _torch_stateless_group(host: str, port: int, rank: int, world_size: int, bac
 def new_stateless_group(host: str, port: int, rank: int, world_size: int, *,
                         backend: str | None = None, timeout_s: float = 600.0,
                         join_timeout_s: float | None = None,
-                        listener: GroupListener | None = None) -> dist.ProcessGroup:
+                        listener: GroupListener | None = None,
+                        high_priority: bool = False) -> dist.ProcessGroup:
     """Join a group of `world_size` processes: blocks until all have joined or `join_timeout_s`
     (default `timeout_s`) passes; collectives on the group then time out after `timeout_s`.
+    `high_priority`: the group's collectives run on a high-priority device stream (the groups this
+    module builds with torch; vLLM's platform layer builds hccl groups at its default priority).
 
     Rank 0 serves the store on `listener` (from `listen_for_group`, already on the port the peers
     were told); without one it binds exactly `port` and raises `PortInUseError` when that is taken."""
@@ -181,7 +190,8 @@ def new_stateless_group(host: str, port: int, rank: int, world_size: int, *,
     timeout = timedelta(seconds=timeout_s)
     join_timeout = timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
     if backend in _TORCH_BUILT:
-        return _torch_stateless_group(host, port, rank, world_size, backend, timeout, join_timeout, listener)
+        return _torch_stateless_group(host, port, rank, world_size, backend, timeout, join_timeout, listener,
+                                      high_priority)
     return _vllm_stateless_group(host, port, rank, world_size, backend, max(timeout, join_timeout), listener)
 
 

@@ -231,6 +231,7 @@ RESUMABLE_KEYS = (
     "parallel.world_size",
     "teacher.teachers.*.url", "teacher.teachers.*.replica_urls", "teacher.teachers.*.offload",
     "weight_sync.host", "weight_sync.bucket_mb", "weight_sync.transport", "weight_sync.tp_export",
+    "weight_sync.high_priority_stream",
     "rollout.gpu_memory_utilization", "rollout.enforce_eager",
     "loss.impl",  # reference or fused kernels: the same loss
     "optim.overlap_grad_reduce",

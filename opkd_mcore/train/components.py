@@ -174,7 +174,8 @@ class WeightSyncer:
         groups_cfg = SyncGroupsConfig(host=cfg.weight_sync.host, base_port=port,
                                       bucket_bytes=cfg.weight_sync.bucket_mb << 20,
                                       transport=colocated_transport(cfg.weight_sync.transport, cfg.run.device),
-                                      tp_export=cfg.weight_sync.tp_export)
+                                      tp_export=cfg.weight_sync.tp_export,
+                                      high_priority=cfg.weight_sync.high_priority_stream)
         self.rollout = rollout
         self.link = EngineWeightSync(MegatronWeightSync(chunks, groups_cfg),
                                      # the rollout salts its prefix cache with the weight version

@@ -45,8 +45,9 @@ class ReceiverStats:
     # ended: against the caller's clock, what reaching the engine and hearing back cost
     last_start_t: float = 0.0
     last_end_t: float = 0.0
-    # `time.monotonic()` of the last sync's steps: the header decoded, bucket 0's receive posted,
-    # the last bucket's bytes seen by the host (stage 0 / the last stage): a timeline against the sender's
+    # `time.monotonic()` of the last sync's steps: the header's bytes seen by the host, the header
+    # decoded, bucket 0's receive posted, the last bucket's bytes seen by the host (stage 0 / the
+    # last stage): a timeline against the sender's
     last_marks: dict[str, float] = field(default_factory=dict)
     buffer_ptrs: list[int] = field(default_factory=list)
 
@@ -132,8 +133,8 @@ class BucketReceiver:
     def _receive_stage(self, transport: WeightTransport, control: ControlChannel,
                        load_bucket: Callable[[BucketPlan, Bucket, torch.Tensor], None],
                        replay_now: Callable[[], BucketReplay | None]) -> int:
-        header = control.recv_header()
         marks = self.stats.last_marks
+        header = control.recv_header(marks)
         marks.setdefault("header", time.monotonic())
         plan = self._accept_plan(control, header)
         buckets = plan.stage_buckets(header.stage)

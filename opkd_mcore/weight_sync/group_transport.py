@@ -118,7 +118,8 @@ class StatelessGroupTransport(WeightTransport):
         try:
             self.pg = new_stateless_group(self.cfg.host, self.cfg.port, self.rank, self.world_size,
                                           backend=self.backend, timeout_s=self.cfg.timeout_s,
-                                          join_timeout_s=self._join_timeout_s(), listener=self._listener)
+                                          join_timeout_s=self._join_timeout_s(), listener=self._listener,
+                                          high_priority=self.cfg.high_priority)
         except (RuntimeError, TimeoutError) as err:
             raise WeightSyncTimeout(
                 f"weight-sync group {self.cfg.host}:{self.cfg.port} ({self.backend}, world_size="

@@ -49,11 +49,12 @@ class SyncGroupsConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # bucket size of the plan (a larger tensor goes alone)
     transport: str = "group"  # a name registered in weight_sync.transport.TRANSPORTS
     tp_export: str = "auto"  # TP > 1, dense: peer (TP ranks write into the sender's buckets) | gather | auto
+    high_priority: bool = True  # the groups' transfers run on a high-priority device stream
 
     def stage_groups(self, num_stages: int) -> list[TransportConfig]:
         """One group per source (`num_stages` = pp * ep; pp for a dense model)."""
         base = TransportConfig(host=self.host, world_size=1 + self.num_receivers, timeout_s=self.timeout_s,
-                               join_timeout_s=self.join_timeout_s)
+                               join_timeout_s=self.join_timeout_s, high_priority=self.high_priority)
         return [replace(base, port=self.base_port + s if self.base_port else 0) for s in range(num_stages)]
 
 

@@ -9,6 +9,7 @@ bytes of another version or another bucket without noticing.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,12 @@ class ControlChannel:
         self.header_buf.copy_(words, non_blocking=True)
         return self.transport.broadcast(self.header_buf, self.header_buf.numel())
 
-    def recv_header(self) -> SyncHeader:
+    def recv_header(self, marks: dict[str, float] | None = None) -> SyncHeader:
+        """The sender's header; `marks` gets `header_landed` (`time.monotonic()`): when the host saw
+        its bytes arrive, before reading them."""
         self.transport.broadcast(self.header_buf, self.header_buf.numel()).wait_for_host(self._timeout())
+        if marks is not None:
+            marks.setdefault("header_landed", time.monotonic())
         return SyncHeader.decode(self.header_buf.cpu().view(torch.int64).tolist())
 
     def move_plan(self, plan_json: str | None, nbytes: int) -> str:

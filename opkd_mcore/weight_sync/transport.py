@@ -33,6 +33,7 @@ class TransportConfig:
     timeout_s: float = 300.0  # every transfer must finish within this
     join_timeout_s: float | None = None  # group creation (waits for the slower side); None = timeout_s
     device: str | None = None  # None: this process's device from opkd_mcore.platform
+    high_priority: bool = True  # accelerators: transfers on a high-priority stream (platform.stateless_group)
     options: dict = field(default_factory=dict)  # transport-specific extras
 
 

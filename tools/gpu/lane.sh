@@ -11,8 +11,9 @@
 #   bash tools/gpu/lane.sh tests_quad     # what two GPUs skip (4 ranks; nvidia-h100-x4)
 #   bash tools/gpu/lane.sh tests_x4 a     # on 4 GPUs, side by side: tests1 (GPU 0), tests2 (GPU 1),
 #   bash tools/gpu/lane.sh tests_x4 b     # tests_pair1 (GPUs 2-3); then b: tests3 (GPU 0), tests_pair2
-#   bash tools/gpu/lane.sh tests_x2 a     # on 2 GPUs in four calls: a: tests3 (GPU 0) beside tests1
-#                                         # (GPU 1); b: tests_pair1; c: tests2; d: tests_pair2
+#   bash tools/gpu/lane.sh tests_x4 c     # (GPUs 2-3); c: tests_aborts (GPUs 0-1, ~2 minutes)
+#   bash tools/gpu/lane.sh tests_x2 a     # on 2 GPUs in five calls: a: tests3 (GPU 0) beside tests1
+#                                         # (GPU 1); b: tests_pair1; c: tests2; d: tests_pair2; e: tests_aborts
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -77,10 +78,10 @@ case "${1:-}" in
         tests/test_train_resume.py tests/test_train_integration.py tests/test_models_moe_train.py \
         tests/test_weight_sync_abort_gpu.py tests/test_weight_sync_receiver_abort_gpu.py \
         -k "megatron_student or moe or resume or tp2 or pp2 or nccl or aborts or hung or surviving" ;;
-  tests_pair1)  # tests_pair in two calls: the weight-sync layouts and EP=2 (~330 s on two H200s) ...
-    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py \
-        tests/test_weight_sync_abort_gpu.py tests/test_weight_sync_receiver_abort_gpu.py \
-        -k "megatron_student or ep2 or aborts or hung or surviving" ;;
+  tests_pair1)  # tests_pair in three calls: the weight-sync layouts and EP=2 (~330 s on two H200s) ...
+    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py -k "megatron_student or ep2" ;;
+  tests_aborts)  # ... the sync's aborts: a dead receiver, a hung engine, a surviving receiver (~2 minutes) ...
+    bash "$0" tests tests/test_weight_sync_abort_gpu.py tests/test_weight_sync_receiver_abort_gpu.py ;;
   tests_pair2)  # ... then training at EP=2, TP/PP=2 and the resume (more than the rest of one call)
     bash "$0" tests tests/test_models_moe_e2e.py tests/test_train_resume.py tests/test_train_integration.py \
         tests/test_models_moe_train.py -k "moe or resume or tp2 or pp2 or nccl" ;;
@@ -90,6 +91,7 @@ case "${1:-}" in
     case "$1:${2:-a}" in
       tests_x4:a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
       tests_x4:b) jobs=("0:tests3" "2,3:tests_pair2") ;;
+      tests_x4:c|tests_x2:e) jobs=("0,1:tests_aborts") ;;
       tests_x2:a) jobs=("0:tests3" "1:tests1") ;;
       tests_x2:b) jobs=("0,1:tests_pair1") ;;
       tests_x2:c) jobs=("0:tests2") ;;
@@ -122,9 +124,13 @@ case "${1:-}" in
         --bucket-mb "$b" --iters 5 --json "$log.json" "${@:4}" > "$log.log" 2>&1
     grep -A3 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log" ;;
   e2e_buckets)  # e2e SHAPE LAYOUT at several bucket sizes (BUCKETS, MiB; `weight_sync.bucket_mb` defaults to 256):
-        # the first bucket's pack (the head) and the last one's load (the tail) grow with the bucket
+        # the first bucket's pack (the head) and the last one's load (the tail) grow with the bucket;
+        # a size listed twice runs twice, each run with its own logs (_r1, _r2, ...); more arguments go
+        # to the tool (`--stream-priority normal` for the A/B of weight_sync.high_priority_stream)
+    n=0
     for b in ${BUCKETS:-64 256 1024}; do
-      BUCKET_MB=$b timeout 200 bash "$0" e2e "${2:-qwen3-1.7b}" "${3:-tp1-disagg}"
+      n=$((n + 1))
+      TAG="${TAG:-}_r$n" BUCKET_MB=$b timeout 200 bash "$0" e2e "${2:-qwen3-1.7b}" "${3:-tp1-disagg}" "${@:4}"
     done ;;
   e2e_all)  # issue 12's three end-to-end figures in one call (~6 minutes on two H200s, models made first)
     for run in "qwen3-1.7b tp1-disagg" "qwen3-8b tp1-disagg" "qwen3-8b tp2-coloc"; do
