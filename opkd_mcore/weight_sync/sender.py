@@ -152,7 +152,7 @@ class WeightSender:
         # packing bucket 0 overlaps that wait (on accelerators, the work queued after a waited
         # transfer waits for it, and so for the receivers to arrive). Where posting it already
         # waits for them, bucket 0 is packed first instead.
-        header = None if self.transport.broadcast_waits else self._post_header(control, version)
+        posted = None if self.transport.broadcast_waits else self._post_header(control, version)
         replay = self.replay() if callable(self.replay) else self.replay
         replaying = replay is not None and all(replay.replayable(self._key(i))
                                                for i in range(len(self.buckets)))
@@ -161,7 +161,7 @@ class WeightSender:
                          self._buffers[0].device)
         pack_s = self._pack_bucket(0, stream, tails, (replay, replaying), fill) if self.buckets else 0.0
         self.stats.last_marks["packed"] = time.monotonic()
-        self._finish_handshake(control, header or self._post_header(control, version))
+        self._finish_handshake(control, posted or self._post_header(control, version))
         self.stats.last_marks["handshaken"] = time.monotonic()
         return pack_s, (replay, replaying), tails
 
