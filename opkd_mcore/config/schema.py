@@ -136,7 +136,7 @@ class TeacherSection:
 class WeightSyncSection:
     """Student -> vLLM weight transfer after each optimizer step."""
 
-    bucket_mb: int = 256  # MiB per bucket of the transfer plan (256 vs 64 on GPUs: docs/benchmarks.md)
+    bucket_mb: int = 512  # MiB per bucket of the transfer plan (why 512 on GPUs: docs/benchmarks.md)
     transport: str = "auto"  # auto: colocated_ipc where engines share trainer devices (accelerators; Ray: placement colocated), else group | group | colocated_ipc
     every_steps: int = 1  # sync every N steps (1 = fully on-policy)
     host: str = "127.0.0.1"  # address the weight-sync groups rendezvous on (rank 0's, reachable by the engines)

@@ -4,16 +4,17 @@
 #
 #   bash tools/gpu/lane.sh tests          # pytest -m "gpu or vllm": every vLLM test CI runs on CPU, on CUDA
 #                                         # (not the Ray-cluster tests: CPU bundles; `steps` is Ray on GPUs)
-#   bash tools/gpu/lane.sh tests1         # the same in three parts, tests1 / tests2 / tests3, each for
-#                                         # one 10-minute device call (the whole took ~15 min on an H100)
+#   bash tools/gpu/lane.sh tests1         # the same in four parts, tests1 .. tests4, each for one
+#                                         # 10-minute device call (the whole took ~15 min on an H100)
 #   TESTS_DEADLINE=540 bash tools/gpu/lane.sh tests_pair   # what one GPU skips (2 GPUs; >9 minutes),
-#                                         # or tests_pair1 then tests_pair2, one call each
+#                                         # or tests_pair1, tests_pair2, tests_pair3, tests_aborts
 #   bash tools/gpu/lane.sh tests_quad     # what two GPUs skip (4 ranks; nvidia-h100-x4)
-#   bash tools/gpu/lane.sh tests_x4 a     # on 4 GPUs, side by side: tests1 (GPU 0), tests2 (GPU 1),
-#   bash tools/gpu/lane.sh tests_x4 b     # tests_pair1 (GPUs 2-3); then b: tests3 (GPU 0), tests_pair2
-#   bash tools/gpu/lane.sh tests_x4 c     # (GPUs 2-3); c: tests_aborts (GPUs 0-1, ~2 minutes)
-#   bash tools/gpu/lane.sh tests_x2 a     # on 2 GPUs in five calls: a: tests3 (GPU 0) beside tests1
-#                                         # (GPU 1); b: tests_pair1; c: tests2; d: tests_pair2; e: tests_aborts
+#   bash tools/gpu/lane.sh tests_x4 a     # the GPU suite on 4 GPUs in three calls, parts side by side:
+#   bash tools/gpu/lane.sh tests_x4 b     # a: tests1 (GPU 0), tests2 (GPU 1), tests_pair1 (GPUs 2-3);
+#   bash tools/gpu/lane.sh tests_x4 c     # b: tests3, tests4, tests_pair2; c: tests_aborts, tests_pair3
+#   bash tools/gpu/lane.sh tests_x2 a     # on 2 GPUs in six calls: a: tests3 (GPU 0) beside tests1
+#                                         # (GPU 1); b: tests_pair1; c: tests2 beside tests4;
+#                                         # d: tests_pair2; e: tests_aborts; f: tests_pair3
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -82,20 +83,23 @@ case "${1:-}" in
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py -k "megatron_student or ep2" ;;
   tests_aborts)  # ... the sync's aborts: a dead receiver, a hung engine, a surviving receiver (~2 minutes) ...
     bash "$0" tests tests/test_weight_sync_abort_gpu.py tests/test_weight_sync_receiver_abort_gpu.py ;;
-  tests_pair2)  # ... then training at EP=2, TP/PP=2 and the resume (more than the rest of one call)
-    bash "$0" tests tests/test_models_moe_e2e.py tests/test_train_resume.py tests/test_train_integration.py \
-        tests/test_models_moe_train.py -k "moe or resume or tp2 or pp2 or nccl" ;;
+  tests_pair2)  # ... training: the MoE student at EP=2 and the resume (~330 s on two H100s) ...
+    bash "$0" tests tests/test_models_moe_e2e.py tests/test_train_resume.py -k "moe or resume" ;;
+  tests_pair3)  # ... and the Megatron teacher at TP=2 / PP=2, the EP=2 steps over NCCL
+    bash "$0" tests tests/test_train_integration.py tests/test_models_moe_train.py -k "tp2 or pp2 or nccl" ;;
   tests_quad)  # what two GPUs skip (4 ranks: the TP=2 x PP=2 student's sync and training); nvidia-h100-x4
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py -k "tp2pp2" ;;
   tests_x4|tests_x2)  # the GPU suite in few calls on a 4-GPU (2-GPU) machine; own logs per step
     case "$1:${2:-a}" in
       tests_x4:a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
-      tests_x4:b) jobs=("0:tests3" "2,3:tests_pair2") ;;
-      tests_x4:c|tests_x2:e) jobs=("0,1:tests_aborts") ;;
+      tests_x4:b) jobs=("0:tests3" "1:tests4" "2,3:tests_pair2") ;;
+      tests_x4:c) jobs=("0,1:tests_aborts" "2,3:tests_pair3") ;;
       tests_x2:a) jobs=("0:tests3" "1:tests1") ;;
       tests_x2:b) jobs=("0,1:tests_pair1") ;;
-      tests_x2:c) jobs=("0:tests2") ;;
+      tests_x2:c) jobs=("0:tests2" "1:tests4") ;;
       tests_x2:d) jobs=("0,1:tests_pair2") ;;
+      tests_x2:e) jobs=("0,1:tests_aborts") ;;
+      tests_x2:f) jobs=("0,1:tests_pair3") ;;
       *) echo "$1: no part ${2}" >&2; exit 2 ;;
     esac
     pids=()
@@ -113,9 +117,11 @@ case "${1:-}" in
     grep -q " passed" "$OUT/controller2.log" && ! grep -q "failed\|error" "$OUT/controller2.log" || \
         (cd /tmp/ray/session_latest/logs && tail -n 80 worker-*.err > "$OUT/ray_workers.err" 2>/dev/null)
     pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|[r]ay::' ;;
-  tests3)
-    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py tests/test_train_resume.py \
-        tests/test_weight_sync_moe.py ;;
+  tests3)  # one GPU: the sync into a running engine, the Megatron teacher against HF (~320 s on an H100)
+    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py -k "not hidden and not policy" ;;
+  tests4)  # one GPU: the hidden-state teacher, the policy-gradient form, the resume, the MoE sync
+    bash "$0" tests tests/test_train_integration.py tests/test_train_resume.py tests/test_weight_sync_moe.py \
+        -k "hidden or policy or resume or ep2" ;;
   e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
         # (an 8B run takes several minutes: engine start, loading 16 GB, raw transfer; give it >= 280 s)
     [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
@@ -123,7 +129,7 @@ case "${1:-}" in
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
         --bucket-mb "$b" --iters 5 --json "$log.json" "${@:4}" > "$log.log" 2>&1
     grep -A3 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log" ;;
-  e2e_buckets)  # e2e SHAPE LAYOUT at several bucket sizes (BUCKETS, MiB; `weight_sync.bucket_mb` defaults to 256):
+  e2e_buckets)  # e2e SHAPE LAYOUT at several bucket sizes (BUCKETS, MiB; `weight_sync.bucket_mb` defaults to 512):
         # the first bucket's pack (the head) and the last one's load (the tail) grow with the bucket;
         # a size listed twice runs twice, each run with its own logs (_r1, _r2, ...); more arguments go
         # to the tool (`--stream-priority normal` for the A/B of weight_sync.high_priority_stream)
