@@ -73,11 +73,13 @@ class ControlChannel:
         return self.transport.broadcast(self.header_buf, self.header_buf.numel())
 
     def recv_header(self, marks: dict[str, float] | None = None) -> SyncHeader:
-        """The sender's header; `marks` gets `header_landed` (`time.monotonic()`): when the host saw
-        its bytes arrive, before reading them."""
-        self.transport.broadcast(self.header_buf, self.header_buf.numel()).wait_for_host(self._timeout())
-        if marks is not None:
-            marks.setdefault("header_landed", time.monotonic())
+        """The sender's header; `marks` gets (`time.monotonic()`) `header_asked`, once its receive is
+        posted, and `header_landed`, when the host saw its bytes arrive, before reading them."""
+        marks = {} if marks is None else marks
+        pending = self.transport.broadcast(self.header_buf, self.header_buf.numel())
+        marks.setdefault("header_asked", time.monotonic())
+        pending.wait_for_host(self._timeout())
+        marks.setdefault("header_landed", time.monotonic())
         return SyncHeader.decode(self.header_buf.cpu().view(torch.int64).tolist())
 
     def move_plan(self, plan_json: str | None, nbytes: int) -> str:

@@ -85,6 +85,7 @@ class WeightSender:
         """The header's transfer (not waited for), and the plan's text where the plan follows it."""
         first = control.handshaken_digest != self.plan.digest()
         header, text = plan_header(self.plan, version, self.stage, send_plan=first)
+        self.stats.last_marks["header_asked"] = time.monotonic()
         posted = control.post_header(header)
         self.stats.last_marks["header_posted"] = time.monotonic()
         return posted, text
