@@ -1,4 +1,5 @@
-"""The benchmark tools' own outputs on CPU: `bench_kernels.py --profile` and `tools/gpu/step_table.py`."""
+"""The benchmark tools' own outputs on CPU: `bench_kernels.py --profile`, `bench_weight_sync.py`'s
+row and timeline, and `tools/gpu/step_table.py`."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,31 @@ def test_bench_kernels_profile_writes_the_kernel_table(tmp_path):
     assert row["method"] == "fused" and row["ms"] > 0
     table = (tmp_path / "prof_topk64_tp1.txt").read_text()
     assert "FusedKdLoss" in table and "# of Calls" in table
+
+
+def test_bench_weight_sync_row_verifies_the_copy_and_orders_both_ends_marks(tmp_path):
+    """The standalone sync benchmark over gloo: the receiver's model holds the sender's values, and
+    the last sync's timeline has every mark of both ends, in the order the protocol allows."""
+    out = tmp_path / "ws.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "tools/bench_weight_sync.py", "--shape", "tiny", "--device", "cpu",
+                           "--bucket-mb", "1", "--iters", "1", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["receiver_verified"] and row["buckets"] > 1 and row["sync_s"] > 0 and row["raw_s"] > 0
+    at = row["timeline"]
+    assert at["at_send_start_ms"] == 0.0
+    order = list(at)
+    for end, names in (("send", ["start", "header_asked", "header_posted", "packed", "handshaken",
+                                 "posted_last", "end"]),
+                       ("recv", ["start", "header_asked", "header_landed", "header", "posted", "bytes_in",
+                                 "end"])):
+        positions = [order.index(f"at_{end}_{name}_ms") for name in names]
+        assert positions == sorted(positions), (end, order)
+    assert at["at_send_header_asked_ms"] <= at["at_recv_header_landed_ms"]
+    assert at["at_send_handshaken_ms"] <= at["at_recv_bytes_in_ms"]
+    assert "the last sync, ms from the sender's start:" in proc.stdout
 
 
 def test_step_table_means_after_the_warm_up_step(tmp_path):

@@ -86,6 +86,14 @@ def _make_tensors(shapes, dtype, device, fill: float):
     return {n: torch.full(s, fill, dtype=dtype, device=device) for n, s in shapes}
 
 
+def timeline(send: dict[str, float], recv: dict[str, float], t0: float) -> dict[str, float]:
+    """Milliseconds from `t0` to each mark of the last sync (`time.monotonic()`: one clock for every
+    process of a host), both ends' in the order they came: `send_*` the sender's, `recv_*` the
+    receiver's."""
+    marks = {**{f"send_{k}": v for k, v in send.items()}, **{f"recv_{k}": v for k, v in recv.items()}}
+    return {f"at_{k}_ms": (v - t0) * 1e3 for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
+
+
 def _timed(fn, device, transport, iters, warmup) -> list[float]:
     times = []
     for i in range(warmup + iters):
@@ -134,6 +142,7 @@ def worker(rank: int, args, port: int, queue) -> None:
         transport.connect()
         result["sync_s"] = _timed(lambda i: sender.sync(iter(model.items()), i), device, transport,
                                   args.iters, args.warmup)
+        result["marks"] = dict(sender.stats.last_marks)
         raw_buf = sender._buffers[0]
     else:
         receiver = BucketReceiver()
@@ -145,6 +154,8 @@ def worker(rank: int, args, port: int, queue) -> None:
                 for name, t in named:
                     model[name].copy_(t)
         result["sync_s"] = _timed(lambda i: receiver.receive(load), device, transport, args.iters, args.warmup)
+        s = receiver.stats
+        result["marks"] = dict(s.last_marks, start=s.last_start_t, end=s.last_end_t)
         raw_buf = receiver._buffers[0]
         result["verified"] = all(bool((t == 1.0).all()) for t in model.values())
     raw_buf = raw_buf[:plan.max_bucket_nbytes()]
@@ -196,11 +207,15 @@ def main(argv=None) -> int:
                receiver_verified=receiver["verified"], device=sender["device_name"], transport=args.transport,
                load=not args.no_load, sync_all_s=receiver["sync_s"], raw_all_s=receiver["raw_s"],
                stream_priority=args.stream_priority,
+               timeline={k: round(v, 4) for k, v in timeline(sender["marks"], receiver["marks"],
+                                                                 sender["marks"]["start"]).items()},
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__)
     print("| transport | shape | dtype | GB | buckets | sync s | sync GB/s | raw s | raw GB/s | sync/raw |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {args.transport} | {row['shape']} | {row['dtype']} | {row['gbytes']} | {row['buckets']} | {row['sync_s']} | "
           f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} |")
+    print("the last sync, ms from the sender's start:",
+          ", ".join(f"{k[3:-3]} {v}" for k, v in row["timeline"].items()))
     print(json.dumps(row))
     if args.json:
         with open(args.json, "w") as f:

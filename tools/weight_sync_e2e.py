@@ -139,10 +139,14 @@ def _phases(syncer) -> dict:
 def _timeline(t: dict, worker: dict, sender) -> dict:
     """Milliseconds from the trainer's engine call to each step of the last sync (one host, one
     clock): what the sync waits for before the first byte moves and after the last one lands."""
-    marks = {f"send_{k}": v for k, v in (sender.stats.last_marks if sender is not None else {}).items()}
-    marks.update({f"recv_{k}": v for k, v in worker["last_marks"].items()},
-                 recv_start=worker["last_start_t"], recv_end=worker["last_end_t"], answered=t["receive"])
-    return {f"at_{k}_ms": (v - t["asked"]) * 1e3 for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_weight_sync import timeline
+
+    send = sender.stats.last_marks if sender is not None else {}
+    recv = dict(worker["last_marks"], start=worker["last_start_t"], end=worker["last_end_t"])
+    return {**timeline(send, recv, t["asked"]), "at_answered_ms": (t["receive"] - t["asked"]) * 1e3}
 
 
 def _idle_rpc(handle, calls: int = 10) -> dict:
