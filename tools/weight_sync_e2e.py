@@ -23,12 +23,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from statistics import median
 
 import torch
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_weight_sync, beside this file
+from bench_weight_sync import _raw_broadcast, _timed, timeline
 
 LAYOUTS = {  # name -> (trainer ranks, first trainer GPU, transport)
     "tp1-disagg": (1, 1, "group"),
@@ -139,11 +143,6 @@ def _phases(syncer) -> dict:
 def _timeline(t: dict, worker: dict, sender) -> dict:
     """Milliseconds from the trainer's engine call to each step of the last sync (one host, one
     clock): what the sync waits for before the first byte moves and after the last one lands."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_weight_sync import timeline
-
     send = sender.stats.last_marks if sender is not None else {}
     recv = dict(worker["last_marks"], start=worker["last_start_t"], end=worker["last_end_t"])
     return {**timeline(send, recv, t["asked"]), "at_answered_ms": (t["receive"] - t["asked"]) * 1e3}
@@ -187,11 +186,6 @@ def _split_cpus(n: int) -> None:
 def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, transport_name: str, queue) -> None:
     """Sender on the trainer's GPU (for NCCL: GPU 1), receiver on the engine's GPU 0: the same
     bytes, the same chunks (colocated: one copy out of the sender's buffers into the receiver's)."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_weight_sync import _raw_broadcast, _timed
-
     from opkd_mcore.weight_sync import TransportConfig, make_transport
 
     first_gpu = LAYOUTS[args.layout][1] if transport_name != "group" else 1

@@ -45,9 +45,9 @@ class ReceiverStats:
     # ended: against the caller's clock, what reaching the engine and hearing back cost
     last_start_t: float = 0.0
     last_end_t: float = 0.0
-    # `time.monotonic()` of the last sync's steps: the header's bytes seen by the host, the header
-    # decoded, bucket 0's receive posted, the last bucket's bytes seen by the host (stage 0 / the
-    # last stage): a timeline against the sender's
+    # `time.monotonic()` of the last sync's steps: the header's receive posted, its bytes seen by the
+    # host, the header decoded, bucket 0's receive posted, the last bucket's bytes seen by the host
+    # (stage 0 / the last stage): a timeline against the sender's
     last_marks: dict[str, float] = field(default_factory=dict)
     buffer_ptrs: list[int] = field(default_factory=list)
 
