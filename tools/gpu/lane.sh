@@ -7,14 +7,15 @@
 #   bash tools/gpu/lane.sh tests1         # the same in four parts, tests1 .. tests4, each for one
 #                                         # 10-minute device call (the whole took ~15 min on an H100)
 #   TESTS_DEADLINE=540 bash tools/gpu/lane.sh tests_pair   # what one GPU skips (2 GPUs; >9 minutes),
-#                                         # or tests_pair1, tests_pair2, tests_pair3, tests_aborts
+#                                         # or tests_pair1 .. tests_pair4, tests_aborts
 #   bash tools/gpu/lane.sh tests_quad     # what two GPUs skip (4 ranks; nvidia-h100-x4)
 #   bash tools/gpu/lane.sh tests_x4 a     # the GPU suite on 4 GPUs in three calls, parts side by side:
 #   bash tools/gpu/lane.sh tests_x4 b     # a: tests1 (GPU 0), tests2 (GPU 1), tests_pair1 (GPUs 2-3);
-#   bash tools/gpu/lane.sh tests_x4 c     # b: tests3, tests4, tests_pair2; c: tests_aborts, tests_pair3
+#   bash tools/gpu/lane.sh tests_x4 c     # b: tests3, tests4, tests_pair2; c: tests_aborts then tests_pair4,
+#                                         # tests_pair3
 #   bash tools/gpu/lane.sh tests_x2 a     # on 2 GPUs in six calls: a: tests3 (GPU 0) beside tests1
 #                                         # (GPU 1); b: tests_pair1; c: tests2 beside tests4;
-#                                         # d: tests_pair2; e: tests_aborts; f: tests_pair3
+#                                         # d: tests_pair2; e: tests_aborts then tests_pair4; f: tests_pair3
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -65,9 +66,11 @@ PY
 case "${1:-}" in
   tests)
     targets=("${@:2}"); [ ${#targets[@]} -eq 0 ] && targets=(tests/)
-    # SIGINT at the deadline: pytest then still prints its summary of the failures so far
+    # SIGINT at the deadline: pytest then still prints its summary of the failures so far;
+    # COLLECT_ONLY=1 lists what a step would run (tests/test_gpu_lane.py checks the parts cover the suite)
     timeout -s INT -k 20 "${TESTS_DEADLINE:-3000}" \
     python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rfEs --tb=short "${targets[@]}" \
+        ${COLLECT_ONLY:+--collect-only} \
         --ignore-glob 'tests/test_controller_*' --ignore tests/test_rollout_ray.py 2>&1 | tee "$OUT/tests.log" ;;
   tests1)
     bash "$0" tests tests/test_demo.py tests/test_fused_linear_kd_gpu.py tests/test_fused_linear_kd_served.py \
@@ -87,29 +90,35 @@ case "${1:-}" in
     bash "$0" tests tests/test_models_moe_e2e.py tests/test_train_resume.py -k "moe or resume" ;;
   tests_pair3)  # ... and the Megatron teacher at TP=2 / PP=2, the EP=2 steps over NCCL
     bash "$0" tests tests/test_train_integration.py tests/test_models_moe_train.py -k "tp2 or pp2 or nccl" ;;
+  tests_pair4)  # ... and the 2-rank kernel and model checks (their files' other tests run in tests1)
+    bash "$0" tests tests/test_kernels_gpu.py tests/test_models_gpu.py -k "tp2" ;;
   tests_quad)  # what two GPUs skip (4 ranks: the TP=2 x PP=2 student's sync and training); nvidia-h100-x4
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py -k "tp2pp2" ;;
   tests_x4|tests_x2)  # the GPU suite in few calls on a 4-GPU (2-GPU) machine; own logs per step
     case "$1:${2:-a}" in
       tests_x4:a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
       tests_x4:b) jobs=("0:tests3" "1:tests4" "2,3:tests_pair2") ;;
-      tests_x4:c) jobs=("0,1:tests_aborts" "2,3:tests_pair3") ;;
+      tests_x4:c) jobs=("0,1:tests_aborts+tests_pair4" "2,3:tests_pair3") ;;
       tests_x2:a) jobs=("0:tests3" "1:tests1") ;;
       tests_x2:b) jobs=("0,1:tests_pair1") ;;
       tests_x2:c) jobs=("0:tests2" "1:tests4") ;;
       tests_x2:d) jobs=("0,1:tests_pair2") ;;
-      tests_x2:e) jobs=("0,1:tests_aborts") ;;
+      tests_x2:e) jobs=("0,1:tests_aborts+tests_pair4") ;;
       tests_x2:f) jobs=("0,1:tests_pair3") ;;
       *) echo "$1: no part ${2}" >&2; exit 2 ;;
     esac
     pids=()
-    for job in "${jobs[@]}"; do
-      OUT="$OUT/${job#*:}" CUDA_VISIBLE_DEVICES=${job%%:*} TESTS_DEADLINE=${TESTS_DEADLINE:-540} \
-          bash "$0" "${job#*:}" > /dev/null 2>&1 &
+    for job in "${jobs[@]}"; do  # GPUS:PART or GPUS:PART+PART (one after the other, each its own deadline)
+      ( IFS=+; for part in ${job#*:}; do
+          OUT="$OUT/$part" CUDA_VISIBLE_DEVICES=${job%%:*} TESTS_DEADLINE=${TESTS_DEADLINE:-540} \
+              bash "$0" "$part" > /dev/null 2>&1
+        done ) &
       pids+=($!)
     done
     wait "${pids[@]}"
-    for job in "${jobs[@]}"; do echo "${job#*:}: $(tail -n 1 "$OUT/${job#*:}/tests.log")"; done ;;
+    for job in "${jobs[@]}"; do
+      (IFS=+; for part in ${job#*:}; do echo "$part: $(tail -n 1 "$OUT/$part/tests.log")"; done)
+    done ;;
   controller2)  # the Ray controller on two GPUs: peer export and device IPC with one visible GPU per actor,
                 # an engine killed mid-sync (Ray carried: tools/gpu/env.sh stash .whl-ray/a, then b)
     timeout -s INT -k 20 "${TESTS_DEADLINE:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu \
@@ -117,8 +126,10 @@ case "${1:-}" in
     grep -q " passed" "$OUT/controller2.log" && ! grep -q "failed\|error" "$OUT/controller2.log" || \
         (cd /tmp/ray/session_latest/logs && tail -n 80 worker-*.err > "$OUT/ray_workers.err" 2>/dev/null)
     pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|[r]ay::' ;;
-  tests3)  # one GPU: the sync into a running engine, the Megatron teacher against HF (~320 s on an H100)
-    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py -k "not hidden and not policy" ;;
+  tests3)  # one GPU: the sync into a running engine, the Megatron teacher against HF, the NCCL groups'
+          # stream priority (~320 s on an H100)
+    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py \
+        tests/test_weight_sync_transport.py -k "not hidden and not policy" ;;
   tests4)  # one GPU: the hidden-state teacher, the policy-gradient form, the resume, the MoE sync
     bash "$0" tests tests/test_train_integration.py tests/test_train_resume.py tests/test_weight_sync_moe.py \
         -k "hidden or policy or resume or ep2" ;;

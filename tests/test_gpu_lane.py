@@ -1,0 +1,35 @@
+"""The GPU lane's split steps (tools/gpu/lane.sh tests_x4 / tests_x2) must select, together, every test
+of the whole GPU suite (`lane.sh tests`): a test left out of every part never runs on a GPU."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = {"tests_x4": "abc", "tests_x2": "abcdef"}
+
+
+def _collected(out: Path, *step: str) -> set[str]:
+    env = {**os.environ, "COLLECT_ONLY": "1", "OUT": str(out),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(["bash", "tools/gpu/lane.sh", *step], cwd=ROOT, env=env, check=True,
+                   stdout=subprocess.DEVNULL, timeout=600)
+    ids = set()
+    for log in out.rglob("tests.log"):
+        text = log.read_text()
+        assert "tests collected" in text or "test collected" in text, f"{log}: no collection\n{text[-2000:]}"
+        ids |= {line.strip() for line in text.splitlines() if "::" in line and " " not in line.strip()}
+    return ids
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_split_steps_select_the_whole_gpu_suite(layout, tmp_path):
+    whole = _collected(tmp_path / "whole", "tests")
+    assert len(whole) > 100, sorted(whole)[:5]
+    parts = _collected(tmp_path / "quad", "tests_quad")
+    for step in LAYOUTS[layout]:
+        parts |= _collected(tmp_path / step, layout, step)
+    assert whole - parts == set(), f"{layout} never runs these"
+    assert parts <= whole
