@@ -40,8 +40,8 @@ class SenderStats:
     last_wait_s: float = 0.0
     last_replayed: int = 0  # buckets of the last sync packed by replaying recorded copies
     # `time.monotonic()` of the last sync's steps: its start, the header's post asked for and done
-    # (before bucket 0 is packed, or after where posting waits), bucket 0 packed, the header (and plan) waited for, the
-    # last bucket's transfer posted, its end: a timeline against the receivers'
+    # (before bucket 0 is packed, or after where posting waits), bucket 0 packed, the header (and
+    # plan) waited for, the last bucket's transfer posted, its end: a timeline against the receivers'
     last_marks: dict[str, float] = field(default_factory=dict)
     buffer_ptrs: list[int] = field(default_factory=list)
 

@@ -140,7 +140,7 @@ case "${1:-}" in
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
         --bucket-mb "$b" --iters 5 --json "$log.json" "${@:4}" > "$log.log" 2>&1
     grep -A3 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log" ;;
-  e2e_buckets)  # e2e SHAPE LAYOUT at several bucket sizes (BUCKETS, MiB; `weight_sync.bucket_mb` defaults to 512):
+  e2e_buckets)  # e2e SHAPE LAYOUT at several bucket sizes (BUCKETS, MiB; weight_sync.bucket_mb: 512):
         # the first bucket's pack (the head) and the last one's load (the tail) grow with the bucket;
         # a size listed twice runs twice, each run with its own logs (_r1, _r2, ...); more arguments go
         # to the tool (`--stream-priority normal` for the A/B of weight_sync.high_priority_stream)
