@@ -24,11 +24,18 @@ def _collected(out: Path, *step: str) -> set[str]:
     return ids
 
 
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory) -> tuple[set[str], set[str]]:
+    """The whole GPU suite and the 4-rank part, collected once for every layout."""
+    out = tmp_path_factory.mktemp("lane")
+    return _collected(out / "whole", "tests"), _collected(out / "quad", "tests_quad")
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_split_steps_select_the_whole_gpu_suite(layout, tmp_path):
-    whole = _collected(tmp_path / "whole", "tests")
+def test_split_steps_select_the_whole_gpu_suite(layout, suite, tmp_path):
+    whole, quad = suite
     assert len(whole) > 100, sorted(whole)[:5]
-    parts = _collected(tmp_path / "quad", "tests_quad")
+    parts = set(quad)
     for step in LAYOUTS[layout]:
         parts |= _collected(tmp_path / step, layout, step)
     assert whole - parts == set(), f"{layout} never runs these"

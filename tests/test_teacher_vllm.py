@@ -141,7 +141,13 @@ def test_flat_prompt_logprobs_give_the_rows_of_the_dict_form(tempered_teacher, m
 
     k, llm, outputs = 8, tempered_teacher.llm, []
     generate = llm.generate
-    monkeypatch.setattr(llm, "generate", lambda *a, **kw: outputs.extend(generate(*a, **kw)) or outputs)
+
+    def recording_generate(*args, **kwargs):
+        result = generate(*args, **kwargs)
+        outputs.extend(result)
+        return result
+
+    monkeypatch.setattr(llm, "generate", recording_generate)
     scored = VllmTeacher(llm, VllmTeacherConfig(k=k)).score(SEQUENCES)
     assert len(outputs) == len(SEQUENCES)
     for rows, out in zip(scored, outputs):

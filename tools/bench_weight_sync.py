@@ -94,7 +94,7 @@ def timeline(send: dict[str, float], recv: dict[str, float], t0: float) -> dict[
     return {f"at_{k}_ms": (v - t0) * 1e3 for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
 
 
-def _timed(fn, device, transport, iters, warmup) -> list[float]:
+def timed(fn, device, transport, iters, warmup) -> list[float]:
     times = []
     for i in range(warmup + iters):
         transport.exchange_status("")  # both sides start together
@@ -107,7 +107,7 @@ def _timed(fn, device, transport, iters, warmup) -> list[float]:
     return times
 
 
-def _raw_broadcast(transport, buf, total_bytes, timeout):
+def raw_broadcast(transport, buf, total_bytes, timeout):
     chunk = buf.numel()
     sent, pending = 0, None
     while sent < total_bytes:
@@ -140,7 +140,7 @@ def worker(rank: int, args, port: int, queue) -> None:
         transport = make_transport(args.transport, cfg, 0)
         sender = WeightSender(plan, transport)
         transport.connect()
-        result["sync_s"] = _timed(lambda i: sender.sync(iter(model.items()), i), device, transport,
+        result["sync_s"] = timed(lambda i: sender.sync(iter(model.items()), i), device, transport,
                                   args.iters, args.warmup)
         result["marks"] = dict(sender.stats.last_marks)
         raw_buf = sender._buffers[0]
@@ -153,13 +153,13 @@ def worker(rank: int, args, port: int, queue) -> None:
             if not args.no_load:
                 for name, t in named:
                     model[name].copy_(t)
-        result["sync_s"] = _timed(lambda i: receiver.receive(load), device, transport, args.iters, args.warmup)
+        result["sync_s"] = timed(lambda i: receiver.receive(load), device, transport, args.iters, args.warmup)
         s = receiver.stats
         result["marks"] = dict(s.last_marks, start=s.last_start_t, end=s.last_end_t)
         raw_buf = receiver._buffers[0]
         result["verified"] = all(bool((t == 1.0).all()) for t in model.values())
     raw_buf = raw_buf[:plan.max_bucket_nbytes()]
-    result["raw_s"] = _timed(lambda i: _raw_broadcast(transport, raw_buf, total, 600), device, transport,
+    result["raw_s"] = timed(lambda i: raw_broadcast(transport, raw_buf, total, 600), device, transport,
                              args.iters, args.warmup)
     result.update(total_bytes=total, num_buckets=len(plan.buckets), device=str(device),
                   device_name=torch.cuda.get_device_name(device) if kind == "cuda" else "cpu")

@@ -32,7 +32,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_weight_sync, beside this file
-from bench_weight_sync import _raw_broadcast, _timed, timeline
+from bench_weight_sync import raw_broadcast, timed, timeline
 
 LAYOUTS = {  # name -> (trainer ranks, first trainer GPU, transport)
     "tp1-disagg": (1, 1, "group"),
@@ -195,7 +195,7 @@ def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, transport_nam
     transport = make_transport(transport_name, cfg, rank)
     transport.connect()
     buf = transport.alloc_buffer(chunk)
-    times = _timed(lambda i: _raw_broadcast(transport, buf, total_bytes, 600), torch.device("cuda"),
+    times = timed(lambda i: raw_broadcast(transport, buf, total_bytes, 600), torch.device("cuda"),
                    transport, args.iters, args.warmup)
     transport.close()
     queue.put((rank, times))
