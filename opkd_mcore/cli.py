@@ -15,8 +15,8 @@ import sys
 
 # subcommand -> (module, function, one-line help); modules are imported only when used.
 COMMANDS = {
-    "demo": ("opkd_mcore.train.demo", "main", "synthetic-task on-policy distillation, CPU by default"),
-    "train": ("opkd_mcore.train.entry", "main", "on-policy distillation training"),
+    "demo": ("opkd_mcore.demo.run", "main", "synthetic-task on-policy distillation, CPU by default"),
+    "train": ("opkd_mcore.launch", "main", "on-policy distillation training"),
     "teacher-serve": ("opkd_mcore.teacher.serve", "main", "start a vLLM server for teacher scoring"),
     "convert": ("opkd_mcore.models.convert", "main", "convert checkpoints HF <-> Megatron"),
 }

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from opkd_mcore.config import ConfigError, TrainConfig, dump_config, load_config, validate_config
-from opkd_mcore.train.optim import OptimConfig
+from opkd_mcore.config.schema import OptimSection
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,12 +78,12 @@ def test_shipped_configs_validate(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     recipe = load_config(os.path.join(ROOT, "configs", "qwen3_8b_from_32b.yaml"), check_files=False)
     assert recipe.model.student == "Qwen/Qwen3-8B" and recipe.parallel.world_size == 8
-    from opkd_mcore.train.demo import demo_config_path
+    from opkd_mcore.demo.run import demo_config_path
 
     demo = load_config(demo_config_path(), check_files=False)
     assert demo.teacher.teachers[0].backend == "vllm"
     # `opkd demo` on an accelerator: the teacher in the student's step, the same top-k objective
-    from opkd_mcore.train.demo import accelerator_overrides
+    from opkd_mcore.demo.run import accelerator_overrides
 
     gpu = load_config(demo_config_path(), accelerator_overrides(demo.teacher.teachers[0].top_k),
                       check_files=False)
@@ -219,12 +219,12 @@ def test_non_finite_floats_are_rejected_in_python_built_configs(base, key):
         validate_config(cfg)
 
 
-@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(OptimConfig)
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(OptimSection)
                                   if f.type in (float, "float")])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_optim_config_rejects_non_finite(name, value):
-    with pytest.raises(ValueError, match=rf"^OptimConfig.{name}: expected a finite number"):
-        OptimConfig(**{name: value}).validate()
+    with pytest.raises(ValueError, match=rf"^optim.{name}: expected a finite number"):
+        OptimSection(**{name: value}).validate()
 
 
 @pytest.mark.parametrize("overrides, key_path, fragment", [
@@ -315,19 +315,17 @@ def test_teacher_output_and_offload(base, tmp_path):
 def test_teacher_dtype_reaches_the_vllm_engine_config(base, monkeypatch):
     """`teacher.teachers.N.dtype` is what the scoring teacher's engine is built with (vLLM's own
     `auto` runs a float32 checkpoint in bfloat16)."""
-    import opkd_mcore.teacher.vllm_teacher as vllm_teacher
+    import opkd_mcore.train.teacher_setup as teacher_setup
     from opkd_mcore.train.teacher_setup import build_scoring_teacher
 
     built = []
-    monkeypatch.setattr(vllm_teacher, "VllmTeacher", lambda model, cfg: built.append((model, cfg)) or cfg)
+    monkeypatch.setattr(teacher_setup, "VllmTeacher", lambda model, cfg: built.append((model, cfg)) or cfg)
     for dtype in ("float32", "auto"):
         cfg = load_config(base, [f"teacher.teachers.0.dtype={dtype}"])
         assert build_scoring_teacher(cfg).dtype == dtype
     assert [c.dtype for _, c in built] == ["float32", "auto"]
     # an hf teacher computes in the named dtype too (auto: float32)
-    import opkd_mcore.teacher.hf_teacher as hf_teacher
-
-    monkeypatch.setattr(hf_teacher, "TransformersTeacher", lambda model, k, dtype: dtype)
+    monkeypatch.setattr(teacher_setup, "TransformersTeacher", lambda model, k, dtype: dtype)
     import torch
 
     for dtype, expected in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):

@@ -242,7 +242,7 @@ def _is_weights(rank, world, model_dir):
     from opkd_mcore.config import ParallelSection
     from opkd_mcore.controller.importance import truncated_is_weights
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.train.batch import pack_sequences
+    from opkd_mcore.engine.packing import pack_sequences
     from opkd_mcore.train.components import build_student, shard_layout
     from opkd_mcore.train.objective import _token_logprobs
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opkd_mcore.train.batch import PackedBatch, pack_sequences, split_by_token_budget
+from opkd_mcore.engine.packing import PackedBatch, pack_sequences, split_by_token_budget
 from tests._dist import run_distributed
 
 megatron = pytest.importorskip("megatron.core")
@@ -66,15 +66,15 @@ def _my_micro_batches():
 def _train_case(name, hf_dir, ckpt_root):
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.train.engine import MegatronEngine
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.config.schema import OptimSection
 
     tp, pp, vpp, distributed_optimizer = CASES[name]
     init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp, seed=7))
     try:
         chunks = build_model(load_hf_config(hf_dir))
         load_hf_weights(chunks, hf_dir)
-        engine = MegatronEngine(chunks, OptimConfig(lr=LR, clip_grad=CLIP, weight_decay=0.1,
+        engine = MegatronEngine(chunks, OptimSection(lr=LR, clip_grad=CLIP, weight_decay=0.1,
                                                     use_distributed_optimizer=distributed_optimizer))
         loss_fn = _ce_loss_fn(_global_loss_tokens())
         history = [engine.train_step(_my_micro_batches(), loss_fn) for _ in range(STEPS // 2)]
@@ -99,7 +99,7 @@ def _teacher_logits(hf_dir):
     from megatron.core import parallel_state as ps
 
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
-    from opkd_mcore.train.engine import MegatronEngine
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
 
     chunks = build_model(load_hf_config(hf_dir))
     load_hf_weights(chunks, hf_dir)
@@ -114,7 +114,7 @@ def _teacher_logits(hf_dir):
 
 def _engine_errors(engine, loss_fn) -> dict[str, str]:
     """Messages of the errors the engine raises for bad calls (checked in the parent)."""
-    from opkd_mcore.train.engine import MegatronEngine
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
 
     def message(call):
         try:
@@ -220,7 +220,7 @@ def test_forward_only_logits_match_hf(trained, qwen3_dir, name):
     """Packed forward of a teacher engine == separate HF forwards; padded vocab column masked."""
     from transformers import AutoModelForCausalLM
 
-    from opkd_mcore.train.engine import PADDED_VOCAB_LOGIT
+    from opkd_mcore.engine.megatron_engine import PADDED_VOCAB_LOGIT
 
     logits = [per_rank[name]["teacher_logits"] for per_rank in trained]
     logits = [x for x in logits if x is not None]
@@ -245,18 +245,18 @@ def test_engine_rejects_bad_calls(trained):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("lr", 0.0, "OptimConfig.lr"),
-    ("min_lr", 1.0, "OptimConfig.min_lr"),
-    ("adam_beta2", 1.0, "OptimConfig.adam_beta2"),
-    ("clip_grad", -1.0, "OptimConfig.clip_grad"),
-    ("lr_decay_style", "step", "OptimConfig.lr_decay_style"),
-    ("lr_decay_style", "cosine", "OptimConfig.lr_decay_steps"),
+    ("lr", 0.0, "optim.lr"),
+    ("min_lr", 1.0, "optim.min_lr"),
+    ("adam_beta2", 1.0, "optim.adam_beta2"),
+    ("clip_grad", -1.0, "optim.clip_grad"),
+    ("lr_decay_style", "step", "optim.lr_decay_style"),
+    ("lr_decay_style", "cosine", "optim.lr_decay_steps"),
 ])
 def test_optim_config_rejects_bad_values(field, value, match):
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.config.schema import OptimSection
 
     with pytest.raises(ValueError, match=match):
-        OptimConfig(**{field: value}).validate()
+        OptimSection(**{field: value}).validate()
 
 
 def test_pack_sequences_layout():

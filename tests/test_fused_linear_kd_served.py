@@ -134,7 +134,7 @@ def _served_step(rank, world, student_dir, teacher_dir, fused):
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.teacher.hidden_states import rows_from_states
     from opkd_mcore.train.components import build_student, shard_layout
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.train.stages import train_stage
     from opkd_mcore.train.teacher_setup import with_hidden_teacher_head
     from tests.test_train_integration import _scored
@@ -151,7 +151,7 @@ def _served_step(rank, world, student_dir, teacher_dir, fused):
         scored.teacher = [rows_from_states(s.sequence, x, "test") for s, x in zip(scored.samples, states)]
         out = {}
         for mode in fused:
-            engine, _ = build_student(student_dir, OptimConfig(lr=1.0, adam_eps=1.0, clip_grad=0.0))
+            engine, _ = build_student(student_dir, OptimSection(lr=1.0, adam_eps=1.0, clip_grad=0.0))
             shard = with_hidden_teacher_head(cfg, shard_layout(engine), torch.float32)
             assert isinstance(scored.teacher[0], HiddenTeacher) and shard.teacher_vocab == V
             result = train_stage(engine, scored, LossSection(fused_lm_head=mode, divergence="jsd", beta=0.3,

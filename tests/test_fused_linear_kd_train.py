@@ -46,7 +46,7 @@ def _step(student_dir, teacher_dir, loss_kwargs, fused: str):
 
     from opkd_mcore.config import LossSection, ParallelSection, load_config
     from opkd_mcore.train.components import build_student, shard_layout, shared_padded_vocab
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.train.stages import train_stage
     from opkd_mcore.train.teacher_setup import build_in_step_teacher
 
@@ -60,7 +60,7 @@ def _step(student_dir, teacher_dir, loss_kwargs, fused: str):
         teacher = build_in_step_teacher(cfg, padded, vocab)
         scored.teacher = [None] * len(scored.samples)
     # adam_eps=1: the update is ~ lr * g, so the weights after the step compare the gradients
-    engine, _ = build_student(student_dir, OptimConfig(lr=1.0, adam_eps=1.0, clip_grad=0.0),
+    engine, _ = build_student(student_dir, OptimSection(lr=1.0, adam_eps=1.0, clip_grad=0.0),
                               padded_vocab=padded, teacher=teacher)
     before = dict(LAUNCHES)
     result = train_stage(engine, scored, LossSection(fused_lm_head=fused, **loss_kwargs),
@@ -234,15 +234,15 @@ def test_chunked_engine_name_off_the_gpu_is_the_twin():
 
 def test_lm_head_chunk_mb_reaches_the_rows_engine(monkeypatch):
     """`loss.lm_head_chunk_mb` is the rows engine's chunk budget in bytes (None: its own default)."""
-    import opkd_mcore.losses as losses
+    import opkd_mcore.train.objective as objective
     from opkd_mcore.config import LossSection
     from opkd_mcore.losses import TopKTeacher
-    from opkd_mcore.train.lm_head import LmHeadInput
+    from opkd_mcore.engine.lm_head import LmHeadInput
     from opkd_mcore.train.objective import StepCounts, make_loss_fn
 
     seen = []
-    real = losses.linear_kd_loss_weighted
-    monkeypatch.setattr(losses, "linear_kd_loss_weighted",
+    real = objective.linear_kd_loss_weighted
+    monkeypatch.setattr(objective, "linear_kd_loss_weighted",
                         lambda *a, chunk_bytes=None, **kw: seen.append(chunk_bytes) or real(*a, chunk_bytes=chunk_bytes, **kw))
     g = torch.Generator().manual_seed(0)
     head = LmHeadInput(torch.randn(6, 4, generator=g, requires_grad=True), torch.randn(10, 4, generator=g))

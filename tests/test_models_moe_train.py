@@ -44,8 +44,8 @@ MICRO_BATCH_OF = [0, 0, 1]
 def _train_case(name, hf_dirs, ckpt_root, params_dtype=None):
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.train.engine import MegatronEngine
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.config.schema import OptimSection
 
     family, layout, coef, distopt = CASES[name]
     init_parallel(ParallelConfig(seed=7, **layout))
@@ -53,7 +53,7 @@ def _train_case(name, hf_dirs, ckpt_root, params_dtype=None):
         hf_dir = hf_dirs[family]
         chunks = build_model(load_hf_config(hf_dir), moe_aux_loss_coeff=coef, params_dtype=params_dtype)
         load_hf_weights(chunks, hf_dir)
-        engine = MegatronEngine(chunks, OptimConfig(lr=LR, clip_grad=CLIP, weight_decay=0.1,
+        engine = MegatronEngine(chunks, OptimSection(lr=LR, clip_grad=CLIP, weight_decay=0.1,
                                                     use_distributed_optimizer=distopt))
         loss_fn = _ce_loss_fn(_global_loss_tokens())
         history = [engine.train_step(_my_micro_batches(), loss_fn) for _ in range(STEPS // 2)]

@@ -14,12 +14,12 @@ def test_demo_config_is_package_data_of_the_wheel(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path / "dist")], check=True, env=env, cwd=tmp_path, timeout=600)
     (wheel,) = [p for p in os.listdir(tmp_path / "dist") if p.endswith(".whl")]
-    assert "opkd_mcore/train/demo_cpu.yaml" in zipfile.ZipFile(tmp_path / "dist" / wheel).namelist()
+    assert "opkd_mcore/demo/demo_cpu.yaml" in zipfile.ZipFile(tmp_path / "dist" / wheel).namelist()
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                     str(tmp_path / "dist" / wheel)], check=True, timeout=600)
     # run from elsewhere, with the installed copy first on the path: the source tree is not used
-    probe = ("import os, opkd_mcore.train.demo as d; from opkd_mcore.config import load_config; "
+    probe = ("import os, opkd_mcore.demo.run as d; from opkd_mcore.config import load_config; "
              "p = d.demo_config_path(); print(p); "
              "assert load_config(p, validate=False).teacher.teachers[0].top_k == 8")
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(site)},

@@ -95,7 +95,7 @@ def _check_teacher_serve(argv: list[str], root) -> int:
 def _check_train(argv: list[str], root, monkeypatch):
     from opkd_mcore.config import load_config
     from opkd_mcore.config.model_checks import KNOWN_MODEL_SHAPES
-    from opkd_mcore.train.entry import parse_args
+    from opkd_mcore.launch import parse_args
 
     args = parse_args(argv)
     overrides = []

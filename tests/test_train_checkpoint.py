@@ -154,14 +154,14 @@ def _hf_dir(path, name):
 @pytest.fixture
 def cli_config(tmp_path, monkeypatch):
     """A valid config file for `opkd train`; engines are never started (build_run fails the test)."""
-    from opkd_mcore.train import entry
+    from opkd_mcore.train import spmd
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
     def no_engines(*args, **kwargs):
         raise AssertionError("build_run was called: the engines would have started")
 
-    monkeypatch.setattr(entry, "build_run", no_engines)
+    monkeypatch.setattr(spmd, "build_run", no_engines)
     cfg = {"model": {"student": _hf_dir(tmp_path, "student")},
            "parallel": {"micro_batch_size": 2, "global_batch_size": 8},
            "loss": {"support": "teacher"},
@@ -173,7 +173,7 @@ def cli_config(tmp_path, monkeypatch):
 
 
 def test_cli_resume_with_nothing_to_resume_exits_2_with_one_line(cli_config, capsys):
-    from opkd_mcore.train.entry import main
+    from opkd_mcore.launch import main
 
     config, out = cli_config
     out.mkdir()
@@ -185,7 +185,7 @@ def test_cli_resume_with_nothing_to_resume_exits_2_with_one_line(cli_config, cap
 
 
 def test_cli_fresh_run_over_checkpoints_exits_2_and_overwrite_replaces_them(cli_config, capsys):
-    from opkd_mcore.train.entry import main, parse_args
+    from opkd_mcore.launch import main, parse_args
 
     config, out = cli_config
     _save(_cfg(out), 2)

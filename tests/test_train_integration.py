@@ -78,12 +78,12 @@ def _train_once(model_dir, loss_kwargs, dense, impl, tp_group_size):
 
     from opkd_mcore.config import LossSection, ParallelSection
     from opkd_mcore.train.components import build_student, shard_layout
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.train.stages import train_stage
 
     # adam_eps=1 makes the update ~ lr * g (Adam's g/sqrt(v) would turn float noise in a ~0
     # gradient into a full +-lr step): the weights after the step then compare the gradients
-    engine, _ = build_student(model_dir, OptimConfig(lr=1.0, adam_eps=1.0, clip_grad=0.0))
+    engine, _ = build_student(model_dir, OptimSection(lr=1.0, adam_eps=1.0, clip_grad=0.0))
     before = dict(LAUNCHES)
     # the logits kernels: with the interpreter on, `fused_lm_head: auto` would take the fused LM head
     loss = LossSection(impl=impl, fused_lm_head="off", **loss_kwargs)
@@ -162,7 +162,7 @@ def _in_step_teacher(rank, world, student_dir, teacher_dir, poison):
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.teacher.base import MalformedTeacherOutputError
     from opkd_mcore.train.components import build_student, shard_layout, shared_padded_vocab
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.train.stages import train_stage
     from opkd_mcore.train.teacher_setup import build_in_step_teacher
 
@@ -173,7 +173,7 @@ def _in_step_teacher(rank, world, student_dir, teacher_dir, poison):
                                  "teacher.teachers.0.offload=true"], check_files=False, validate=False)
         padded, vocab = shared_padded_vocab(cfg)
         teacher = build_in_step_teacher(cfg, padded, vocab)
-        engine, _ = build_student(student_dir, OptimConfig(lr=1e-2), padded_vocab=padded, teacher=teacher)
+        engine, _ = build_student(student_dir, OptimSection(lr=1e-2), padded_vocab=padded, teacher=teacher)
         scored = _scored(5, dense=False)
         scored.teacher = [None] * len(scored.samples)  # scored inside the step
         optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
@@ -227,13 +227,13 @@ def test_nan_in_the_in_step_teacher_is_an_error_naming_it_and_nothing_is_applied
 
 def _nonfinite_step(rank, world, student_dir):
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.train.batch import pack_sequences
+    from opkd_mcore.engine.packing import pack_sequences
     from opkd_mcore.train.components import build_student
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.config.schema import OptimSection
 
     init_parallel(ParallelConfig())
     try:
-        engine, _ = build_student(student_dir, OptimConfig(lr=1e-2))
+        engine, _ = build_student(student_dir, OptimSection(lr=1e-2))
         before = [p.detach().clone() for p in engine.parameters()]
         batch = pack_sequences([[1, 4, 5, 6, 7]], [2])
 

@@ -47,9 +47,9 @@ def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
     """Train one step at EP=2, save the HF export, sync the live weights into the engine."""
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights, save_hf_checkpoint
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.train.batch import pack_sequences
-    from opkd_mcore.train.engine import MegatronEngine
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.engine.packing import pack_sequences
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync
 
     init_parallel(ParallelConfig(ep=2, seed=7))
@@ -57,7 +57,7 @@ def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
         # float32 as the engine: the probe compares bytes (an accelerator's default is bf16)
         chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32, moe_aux_loss_coeff=0.01)
         load_hf_weights(chunks, hf_dir)
-        engine = MegatronEngine(chunks, OptimConfig(lr=1e-2))
+        engine = MegatronEngine(chunks, OptimSection(lr=1e-2))
         batch = [pack_sequences([TRAIN_SEQUENCES[rank]], [4])]  # one sequence per DP rank
         metrics = engine.train_step(batch, _ce_loss(2 * batch[0].num_loss_tokens))
         save_hf_checkpoint(chunks, export_dir, src_hf_dir=hf_dir, progress=False)

@@ -313,9 +313,9 @@ def _megatron_trainer(rank, world, hf_dir, export_dir, layout, sync_cfg, version
     """Train one step, save the HF export, then sync the live weights into the engine."""
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights, save_hf_checkpoint
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.train.batch import pack_sequences
-    from opkd_mcore.train.engine import MegatronEngine
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.engine.packing import pack_sequences
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, is_stage_owner
 
     init_parallel(ParallelConfig(**LAYOUTS[layout], seed=7))
@@ -323,7 +323,7 @@ def _megatron_trainer(rank, world, hf_dir, export_dir, layout, sync_cfg, version
         # float32 as the engine: the probe compares bytes (an accelerator's default is bf16)
         chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32)
         load_hf_weights(chunks, hf_dir)
-        engine = MegatronEngine(chunks, OptimConfig(lr=1e-2))
+        engine = MegatronEngine(chunks, OptimSection(lr=1e-2))
         if LAYOUTS[layout].get("vpp"):
             # megatron-core 0.16.1's interleaved schedule hung here on CPU with variable sequence
             # lengths (engine default); equal-length micro-batches with fixed shapes avoid it

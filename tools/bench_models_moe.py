@@ -38,9 +38,9 @@ def run_moe(args) -> None:
     from opkd_mcore.models import build_model, hf_weight_metadata
     from opkd_mcore.models.tiny import TinyModelShape, tiny_hf_config
     from opkd_mcore.platform import ParallelConfig, current_device, destroy_parallel, init_parallel
-    from opkd_mcore.train.batch import pack_sequences
-    from opkd_mcore.train.engine import MegatronEngine
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.engine.packing import pack_sequences
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.config.schema import OptimSection
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = args.ep or world
@@ -53,7 +53,7 @@ def run_moe(args) -> None:
     chunks = build_model(tiny_hf_config("qwen3_moe", shape), moe_aux_loss_coeff=args.aux_coef)
     num_params = sum(torch.Size(m.shape).numel() for m in hf_weight_metadata(chunks))
     local_params = sum(p.numel() for p in chunks[0].parameters())
-    engine = MegatronEngine(chunks, OptimConfig(lr=1e-5, clip_grad=1.0))
+    engine = MegatronEngine(chunks, OptimSection(lr=1e-5, clip_grad=1.0))
     device = current_device()
     gen = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     batches = []

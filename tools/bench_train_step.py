@@ -39,7 +39,7 @@ def parse_args(argv=None):
 
 def _batch(args, vocab: int, v_local: int, tp_rank: int):
     from opkd_mcore.losses import DenseTeacher, TopKTeacher
-    from opkd_mcore.train.batch import pack_sequences
+    from opkd_mcore.engine.packing import pack_sequences
 
     g = torch.Generator().manual_seed(0)
     n_seq = args.tokens // args.seq
@@ -94,9 +94,9 @@ def main(argv=None) -> int:
     from opkd_mcore.models import build_model
     from opkd_mcore.models.tiny import NAMED_SHAPES, make_char_tokenizer, tiny_hf_config
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.train.engine import MegatronEngine
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
     from opkd_mcore.train.objective import StepCounts, make_loss_fn
-    from opkd_mcore.train.optim import OptimConfig
+    from opkd_mcore.config.schema import OptimSection
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     init_parallel(ParallelConfig(tp=args.tp or world))
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
     hf_config = tiny_hf_config("qwen3", NAMED_SHAPES[args.shape], make_char_tokenizer("0123456789+="))
     chunks = build_model(hf_config, params_dtype=torch.bfloat16)
-    engine = MegatronEngine(chunks, OptimConfig(lr=1e-6))
+    engine = MegatronEngine(chunks, OptimSection(lr=1e-6))
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     v_local = engine.padded_vocab_size // tp
     batch = _batch(args, hf_config.vocab_size, v_local, tp_rank)

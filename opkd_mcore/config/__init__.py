@@ -1,10 +1,25 @@
 """Typed run configuration: schema, YAML + dotted overrides, validation, resolved dump."""
 from opkd_mcore.config.loader import (
-    ConfigError, apply_overrides, dump_config, from_dict, load_config, to_dict,
+    ConfigError,
+    apply_overrides,
+    dump_config,
+    from_dict,
+    load_config,
+    to_dict,
 )
 from opkd_mcore.config.schema import (
-    CheckpointSection, ControllerSection, DataSection, LoggingSection, LossSection, ModelSection, 
-    ParallelSection, RolloutSection, RunSection, TeacherSection, TeacherEndpoint, TrainConfig,
+    CheckpointSection,
+    ControllerSection,
+    DataSection,
+    LoggingSection,
+    LossSection,
+    ModelSection,
+    ParallelSection,
+    RolloutSection,
+    RunSection,
+    TeacherEndpoint,
+    TeacherSection,
+    TrainConfig,
     WeightSyncSection,
 )
 from opkd_mcore.config.validate import launch_world_size, validate_config

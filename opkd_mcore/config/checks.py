@@ -5,7 +5,7 @@ import dataclasses
 import math
 import urllib.parse
 
-from opkd_mcore.config.loader import ConfigError
+from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.schema import SEED_MAX
 
 

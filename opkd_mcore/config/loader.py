@@ -16,11 +16,9 @@ from typing import Any
 
 import yaml
 
+from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.schema import TrainConfig
-
-
-class ConfigError(ValueError):
-    """A config value or combination that cannot run; the message starts with the key path."""
+from opkd_mcore.config.validate import validate_config
 
 
 def _type_name(tp) -> str:
@@ -167,8 +165,6 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
     tree = apply_overrides(tree, list(overrides or []))
     cfg = from_dict(TrainConfig, tree)
     if validate:
-        from opkd_mcore.config.validate import validate_config
-
         validate_config(cfg, check_files=check_files)
     return cfg
 

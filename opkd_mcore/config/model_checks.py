@@ -13,7 +13,7 @@ import logging
 import os
 
 from opkd_mcore.config.checks import positive
-from opkd_mcore.config.loader import ConfigError
+from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.schema import TrainConfig
 
 logger = logging.getLogger(__name__)

@@ -7,10 +7,8 @@ nested dataclasses.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-# The optimizer section is the engine's own config (one definition, no mapping layer).
-from opkd_mcore.train.optim import OptimConfig
+import math
+from dataclasses import dataclass, field, fields
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 SUPPORTS = (None, "teacher", "union")
@@ -36,6 +34,7 @@ PLACEMENTS = ("disaggregated", "colocated")
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("addition",)
 CHAT_TEMPLATES = ("auto", "always", "none")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BUILTIN_REWARDS = ("exact_match",)  # data.rewards values besides "module:function"
 SEED_MAX = 2**31 - 1  # seeds reach numpy (32-bit) after Megatron and vLLM add rank/step offsets
 
@@ -130,6 +129,58 @@ class TeacherSection:
 
     teachers: list[TeacherEndpoint] = field(default_factory=lambda: [TeacherEndpoint()])
     routing: str = "data_source"  # a sample goes to the teacher listing its data_source, else the default
+
+
+@dataclass(kw_only=True)
+class OptimSection:
+    """Optimizer + LR schedule of the student. Defaults work for the CPU demo."""
+
+    lr: float = 1e-5  # peak learning rate (reached after warmup)
+    min_lr: float = 0.0  # floor of the decay schedule
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    adam_beta1: float = 0.9  # Adam first-moment decay
+    adam_beta2: float = 0.999  # Adam second-moment decay
+    adam_eps: float = 1e-8  # Adam denominator epsilon
+    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
+    warmup_steps: int = 0  # linear warmup from 0 to `lr` over this many optimizer steps
+    lr_decay_steps: int | None = None  # steps until `min_lr`; None = no decay (constant after warmup)
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    use_distributed_optimizer: bool = False  # shard optimizer state over the data-parallel group
+    overlap_grad_reduce: bool = False  # overlap DP gradient reduction with backward (GPU only)
+    grad_reduce_in_fp32: bool = True  # reduce bf16 gradients in fp32 across DP
+
+    def validate(self) -> None:
+        # NaN passes every `<` check below and inf makes Adam's update NaN: reject both first
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"optim.{f.name}: expected a finite number, got {value}")
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr: expected > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay: expected >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name}: expected in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ValueError(f"optim.adam_eps: expected > 0, got {self.adam_eps}")
+        if self.clip_grad < 0:
+            raise ValueError(f"optim.clip_grad: expected >= 0 (0 = off), got {self.clip_grad}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps: expected >= 0, got {self.warmup_steps}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"optim.lr_decay_style: expected one of {LR_DECAY_STYLES}, "
+                             f"got {self.lr_decay_style!r}")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= 0:
+            raise ValueError(f"optim.lr_decay_steps: expected > 0 or None (no decay), "
+                             f"got {self.lr_decay_steps}")
+        if self.lr_decay_style != "constant":
+            if self.lr_decay_steps is None or self.lr_decay_steps <= self.warmup_steps:
+                raise ValueError(f"optim.lr_decay_steps: a {self.lr_decay_style!r} decay needs "
+                                 f"lr_decay_steps > warmup_steps={self.warmup_steps}, "
+                                 f"got {self.lr_decay_steps}")
 
 
 @dataclass(kw_only=True)
@@ -228,7 +279,7 @@ class TrainConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     teacher: TeacherSection = field(default_factory=TeacherSection)
     weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimSection = field(default_factory=OptimSection)
     data: DataSection = field(default_factory=DataSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

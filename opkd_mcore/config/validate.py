@@ -19,7 +19,7 @@ from opkd_mcore.config.checks import (
     positive,
     seed_in_range,
 )
-from opkd_mcore.config.loader import ConfigError
+from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.model_checks import (
     check_parallel,
     check_student_vocab,
@@ -275,7 +275,7 @@ def _check_optim(cfg: TrainConfig) -> None:
     try:
         optim.validate()
     except ValueError as err:
-        msg = str(err).replace("OptimConfig.", "optim.", 1)
+        msg = str(err)
         if defaulted and msg.startswith("optim.lr_decay_steps"):
             msg += " (lr_decay_steps defaults to run.steps)"
         raise ConfigError(msg) from None

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from opkd_mcore.rollout import Sample
+from opkd_mcore.train.samples_log import draw_epochs
 
 
 @dataclass
@@ -61,8 +62,6 @@ class PromptQueue:
     def __init__(self, draw_fn, sampler, dataset_size: int, batch_size: int):
         """`draw_fn(indices, batch_number) -> stages.PromptBatch` encodes prompts (as
         `train.loop.encode_prompts` does)."""
-        from opkd_mcore.train.samples_log import draw_epochs
-
         self._draw_fn, self._epochs = draw_fn, draw_epochs
         self.sampler, self.dataset_size, self.batch_size = sampler, dataset_size, batch_size
         self.batches_drawn = 0

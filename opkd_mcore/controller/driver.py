@@ -18,6 +18,8 @@ from dataclasses import asdict, replace
 
 from opkd_mcore.config import dump_config
 from opkd_mcore.config.schema import TrainConfig
+from opkd_mcore.config.validate import launch_world_size
+from opkd_mcore.controller.data_plane import PromptQueue
 from opkd_mcore.controller.groups import (
     ActorLost,
     Gather,
@@ -26,8 +28,22 @@ from opkd_mcore.controller.groups import (
     WorkerGroups,
     await_named,
 )
+from opkd_mcore.controller.placement import cpus_needed
 from opkd_mcore.controller.schedules import Pipeline, StepWork
 from opkd_mcore.controller.trainer_worker import TrainBatch
+from opkd_mcore.data import PromptSampler, build_datasets
+from opkd_mcore.data.rewards import TaskRewards
+from opkd_mcore.rollout import SamplingConfig
+from opkd_mcore.train import stages
+from opkd_mcore.train.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    prepare_run_dir,
+    rollout_version_on_resume,
+)
+from opkd_mcore.train.loop import encode_prompts
+from opkd_mcore.train.metrics import MetricsLogger
+from opkd_mcore.train.samples_log import SampleRecord, SamplesLog, default_teacher_name
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +54,6 @@ ENGINE_ROLLOUT_FIELDS = ("max_model_len", "gpu_memory_utilization", "enforce_eag
 
 
 def _sampling(cfg: TrainConfig):
-    from opkd_mcore.rollout import SamplingConfig
-
     ro = cfg.rollout
     return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                           max_new_tokens=ro.max_new_tokens)
@@ -68,10 +82,6 @@ class RayController:
     def _data(self):
         from transformers import AutoTokenizer
 
-        from opkd_mcore.controller.data_plane import PromptQueue
-        from opkd_mcore.data import PromptSampler, build_datasets
-        from opkd_mcore.train.loop import encode_prompts
-
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.student)
         train_set, _ = build_datasets(cfg.data)
@@ -98,19 +108,13 @@ class RayController:
         return [done[name] for name in named]
 
     def _trainer_died(self, err: Exception) -> TrainerDied:
-        from opkd_mcore.train.checkpoint import latest_checkpoint
-
         last = latest_checkpoint(self.cfg.run.output_dir)
         return TrainerDied(f"{err}; the run stops. The last complete checkpoint ({last or 'none yet'}) is "
                            "intact: continue with --resume")
 
     def _restore(self, queue):
-        from opkd_mcore.train.checkpoint import TrainerState, rollout_version_on_resume
-
         state = TrainerState()
         if self.resume:
-            from opkd_mcore.train.checkpoint import latest_checkpoint
-
             state = TrainerState(**self._on_trainers("load", self.cfg.run.output_dir)[0])
             queue.load_state_dict(state.sampler)
             logger.info("resumed from %s (step %d, weight version %d): %d prompts in flight at the "
@@ -129,15 +133,11 @@ class RayController:
 
     # ---- the run ---------------------------------------------------------------------------
     def run(self) -> list[dict]:
-        from opkd_mcore.train.checkpoint import prepare_run_dir
-
         cfg, out = self.cfg, self.cfg.run.output_dir
         self.config_yaml = dump_config(cfg)
         prepare_run_dir(cfg, resume=self.resume and not self.export_only, export_only=self.export_only)
         queue = self._data()
         if self.groups is None:
-            from opkd_mcore.config.validate import launch_world_size
-
             self.groups = WorkerGroups(cfg, launch_world_size(cfg))
         try:
             state = self._restore(queue)
@@ -150,17 +150,12 @@ class RayController:
                 self.groups.shutdown()
 
     def _train(self, queue, state) -> list[dict]:
-        from opkd_mcore.train.metrics import MetricsLogger
-        from opkd_mcore.train.samples_log import SamplesLog
-
         cfg, out = self.cfg, self.cfg.run.output_dir
         log = MetricsLogger(out, cfg.logging, cfg.run.steps, start_step=state.step)
         samples_log = SamplesLog(out, start_step=state.step)
         dump_config(cfg, os.path.join(out, "config.yaml"))
         self.rewards = None
         if cfg.loss.task_reward_coef:
-            from opkd_mcore.data.rewards import TaskRewards
-
             self.rewards = TaskRewards(cfg.data.rewards)
         pipe = Pipeline(cfg, self.groups, queue, version=state.weight_version, step=state.step,
                         sampling=_sampling(cfg), on_event=self.on_event)
@@ -201,8 +196,6 @@ class RayController:
 
     # ---- one step --------------------------------------------------------------------------
     def _step(self, pipe: Pipeline, queue, state):
-        from opkd_mcore.train import stages
-
         cfg, start = self.cfg, time.perf_counter()
         step, version_trained = state.step, pipe.version
         work = pipe.take_batch(step)
@@ -279,8 +272,6 @@ class RayController:
         return {"timing/rollout": rollout, "timing/teacher": teacher / max(actors, 1)}
 
     def _records(self, step: int, work: StepWork, version_trained: int) -> list:
-        from opkd_mcore.train.samples_log import SampleRecord, default_teacher_name
-
         default = default_teacher_name(self.cfg.teacher.teachers)
         out = []
         for group, reason in [*((g, None) for g in work.groups), *work.dropped]:
@@ -322,9 +313,6 @@ def train_with_ray(cfg: TrainConfig, *, resume: bool = False, export_only: bool 
     """`opkd train` with `controller.kind: ray`: attach to the cluster of `RAY_ADDRESS` (as under
     `ray job submit`), else start a local one that declares enough CPUs for every actor."""
     import ray
-
-    from opkd_mcore.config.validate import launch_world_size
-    from opkd_mcore.controller.placement import cpus_needed
 
     started = False
     if not ray.is_initialized():

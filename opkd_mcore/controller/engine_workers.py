@@ -22,6 +22,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from opkd_mcore.rollout import Sample
+from opkd_mcore.rollout.vllm_rollout import sample_seed
+from opkd_mcore.train.components import build_rollout
+from opkd_mcore.train.teacher_setup import build_scoring_teacher
+from opkd_mcore.weight_sync.transport import TransportConfig
+from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,9 +58,6 @@ class RolloutEngineWorker:
     """Body of one rollout actor (made remote by `controller.groups`, with a few threads)."""
 
     def __init__(self, cfg, engine_index: int):
-        from opkd_mcore.train.components import build_rollout
-        from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle
-
         self.cfg, self.index = cfg, engine_index
         self.engine = build_rollout(cfg, tensor_parallel_size=cfg.controller.rollout_tp,
                                     sleep_mode=cfg.controller.placement == "colocated")
@@ -109,9 +113,6 @@ class RolloutEngineWorker:
         return GenReply(per_job, versions, time.perf_counter() - start)
 
     def _generate_in_segments(self, jobs, sampling, segment_tokens: int):
-        from opkd_mcore.rollout import Sample
-        from opkd_mcore.rollout.vllm_rollout import sample_seed
-
         seqs = [{"job": i, "j": j, "ids": [], "lps": [], "vers": [], "finish": None}
                 for i in range(len(jobs)) for j in range(sampling.n)]
         segment = 0
@@ -142,8 +143,6 @@ class RolloutEngineWorker:
     # ---- weight sync -------------------------------------------------------------------------
     def join_weight_sync(self, groups: list[dict], rank_offset: int, transport: str) -> int:
         """Join the (re)built weight-sync groups once the generate calls in flight have returned."""
-        from opkd_mcore.weight_sync.transport import TransportConfig
-
         self._hold_requests(wait_for_in_flight=True)
         try:
             configs = [TransportConfig(**g) for g in groups]
@@ -199,8 +198,6 @@ class TeacherWorker:
     """Body of one scoring-teacher actor: the teacher `name` (at `url`, for a remote replica)."""
 
     def __init__(self, cfg, name: str, url: str | None, student_vocab: int):
-        from opkd_mcore.train.teacher_setup import build_scoring_teacher
-
         endpoint = next(t for t in cfg.teacher.teachers if t.name == name)
         one = dataclasses.replace(endpoint, url=url or endpoint.url, replica_urls=[])
         cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, teachers=[one]))

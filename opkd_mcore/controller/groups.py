@@ -17,7 +17,11 @@ import logging
 import time
 
 from opkd_mcore.config.schema import TrainConfig
+from opkd_mcore.controller.engine_workers import RolloutEngineWorker, TeacherWorker
 from opkd_mcore.controller.placement import Placement, teacher_actor_endpoints
+from opkd_mcore.controller.trainer_worker import TrainerWorker
+from opkd_mcore.platform import is_cpu
+from opkd_mcore.train.components import student_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -154,10 +158,6 @@ class WorkerGroups:
     def __init__(self, cfg: TrainConfig, world_size: int):
         import ray
 
-        from opkd_mcore.controller.engine_workers import RolloutEngineWorker, TeacherWorker
-        from opkd_mcore.controller.trainer_worker import TrainerWorker
-        from opkd_mcore.train.components import student_vocab_size
-
         self.cfg, self.world_size = cfg, world_size
         ctl = cfg.controller
         self.placement = Placement(cfg, world_size, timeout_s=ctl.call_timeout_s)
@@ -238,8 +238,6 @@ class WorkerGroups:
         e's device, and an accelerator collective refuses two members on one device (`transport:
         group` there is a config error, `config.validate`). Engines on the other ranks' devices map
         rank 0's buffers through peer access, which reaches one node only."""
-        from opkd_mcore.platform import is_cpu
-
         name = self.cfg.weight_sync.transport
         colocated = self.placement.kind == "colocated" and not is_cpu(self.cfg.run.device)
         if colocated and len(nodes := self.placement.nodes()) > 1:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from opkd_mcore.config.schema import ParallelSection
-from opkd_mcore.train.batch import pack_sequences
+from opkd_mcore.engine.packing import pack_sequences
 from opkd_mcore.train.stages import ShardLayout
 
 

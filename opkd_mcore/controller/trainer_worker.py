@@ -15,6 +15,16 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from opkd_mcore.controller.importance import truncated_is_weights
+from opkd_mcore.models import save_hf_checkpoint
+from opkd_mcore.platform import collective_backend
+from opkd_mcore.platform.parallel import destroy_parallel
+from opkd_mcore.train import components as c
+from opkd_mcore.train import stages
+from opkd_mcore.train.checkpoint import TrainerState, load_checkpoint, require_checkpoint, save_checkpoint
+from opkd_mcore.train.loop import rollout_metrics
+from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -82,9 +92,6 @@ class TrainerWorker:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from opkd_mcore.platform import collective_backend
-        from opkd_mcore.train import components as c
-
         cfg = self.cfg
         c.check_loss_impl(cfg)
         os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
@@ -101,8 +108,6 @@ class TrainerWorker:
     def reset(self) -> None:
         """A fresh student (weights and optimizer) from the initial checkpoint: benchmarks start every
         schedule there."""
-        from opkd_mcore.train import components as c
-
         self.close_weight_sync()  # its plan reads the old model's tensors; the driver binds anew
         self.engine, self.chunks, self.shard, self.tp_group = c.build_trainer_rank(self.cfg)
 
@@ -111,8 +116,6 @@ class TrainerWorker:
         """Stage owners hold their group ports (collective over the trainer ranks); returns the groups.
         `host` None: this node's address (the engines may be on other nodes)."""
         import ray
-
-        from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
 
         # a rebuilt group replaces the old one after an engine died: leave it without waiting for
         # that engine (a normal rebuild closed both ends together first, and there is none)
@@ -167,10 +170,6 @@ class TrainerWorker:
     def train(self, batch: TrainBatch) -> TrainReply:
         import ray
 
-        from opkd_mcore.controller.importance import truncated_is_weights
-        from opkd_mcore.train import stages
-        from opkd_mcore.train.loop import rollout_metrics
-
         start = time.perf_counter()
         rows = [None] * len(batch.samples)
         needed = [i for i in self._rows_needed(len(batch.samples)) if batch.rows[i] is not None]
@@ -195,22 +194,14 @@ class TrainerWorker:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, out: str, state: dict, config_yaml: str, keep_last: int) -> str:
-        from opkd_mcore.train.checkpoint import TrainerState, save_checkpoint
-
         return save_checkpoint(out, self.engine, TrainerState(**state), config_yaml, keep_last)
 
     def load(self, out: str) -> dict:
-        from opkd_mcore.train.checkpoint import load_checkpoint, require_checkpoint
-
         return dataclasses.asdict(load_checkpoint(require_checkpoint(out), self.engine))
 
     def export_hf(self, out: str) -> None:
-        from opkd_mcore.models import save_hf_checkpoint
-
         save_hf_checkpoint(self.chunks, os.path.join(out, "student_hf"), src_hf_dir=self.cfg.model.student)
 
     def shutdown(self) -> None:
-        from opkd_mcore.platform.parallel import destroy_parallel
-
         self.close_weight_sync()
         destroy_parallel(destroy_process_group=True)

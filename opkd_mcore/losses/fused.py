@@ -24,6 +24,9 @@ from types import SimpleNamespace
 
 import torch
 
+from opkd_kernels import cpu_backend
+from opkd_kernels.fused_kd import KdSpec, fused_kd_loss, select_backend
+from opkd_mcore.losses.support_kd import select_support
 from opkd_mcore.losses.teacher_outputs import DenseTeacher
 from opkd_mcore.platform import device as platform_device
 
@@ -40,8 +43,6 @@ def _say_twin_missing() -> None:
 
 
 def _cpu_twin_built() -> bool:
-    from opkd_kernels import cpu_backend
-
     return cpu_backend.available()
 
 
@@ -71,8 +72,6 @@ def require_fused(impl: str, device: torch.device, dtype: torch.dtype) -> str | 
     probe = SimpleNamespace(device=torch.device(device), dtype=dtype)
     name = backend_for(probe, "auto" if impl in ("auto", "fused") else impl)
     if name is not None:
-        from opkd_kernels.fused_kd import select_backend
-
         name = name if select_backend(probe, name) is not None else None
     if name is None and impl != "auto":
         raise ValueError(f"loss.impl: {impl!r} cannot run here: no fused kernel for {dtype} logits on "
@@ -95,7 +94,6 @@ def fused_kd_loss_or_none(student_logits: torch.Tensor, teacher, *, divergence: 
     name = backend_for(student_logits, backend)
     if name is None:
         return None
-    from opkd_kernels.fused_kd import KdSpec, fused_kd_loss, select_backend
 
     impl = select_backend(student_logits, name)
     if impl is None:
@@ -106,8 +104,6 @@ def fused_kd_loss_or_none(student_logits: torch.Tensor, teacher, *, divergence: 
     dense = teacher.logits.detach() if isinstance(teacher, DenseTeacher) else None
     ids = logprobs = None
     if support is not None:
-        from opkd_mcore.losses.kd_loss import select_support
-
         # The same support selection as the reference path (ties, top-k of a wider teacher).
         ids, logprobs, _ = select_support(student_logits, teacher, support=support, k=k, group=tp_group)
     loss, teacher_mass, student_mass = fused_kd_loss(

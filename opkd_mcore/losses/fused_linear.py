@@ -28,15 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
+from opkd_kernels import cpu_backend
+from opkd_kernels.fused_kd import KdSpec
+from opkd_kernels.fused_linear_kd import fused_linear_kd_loss
+from opkd_kernels.linear_kd_rows import check_row_weights, rows_linear_kd_loss
 from opkd_mcore.losses import validation
 from opkd_mcore.losses import vocab_parallel as vp
 from opkd_mcore.losses.kd_loss import kd_loss
+from opkd_mcore.losses.support_kd import select_support
 from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, TopKTeacher
 from opkd_mcore.platform import device as platform_device
 
 IMPLS = ("auto", "reference", "fused", "triton", "cpp", "torch")
 COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-PADDED_LOGIT = -1.0e4   # = opkd_kernels.linear_kd_common.PAD_LOGIT = train.engine.PADDED_VOCAB_LOGIT
+PADDED_LOGIT = -1.0e4   # = opkd_kernels.linear_kd_common.PAD_LOGIT = engine.megatron_engine.PADDED_VOCAB_LOGIT
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,6 @@ def engine_name(hidden: torch.Tensor, impl: str = "auto") -> str | None:
     if platform_device.triton_kernels_usable(hidden):
         return "triton"
     if hidden.device.type == "cpu":
-        from opkd_kernels import cpu_backend
-
         if cpu_backend.available():
             return "cpp"
     return "torch"
@@ -138,15 +141,11 @@ def materialised_linear_kd_loss(hidden, weight, teacher, *, vocab_end=None, teac
 
 def _kernel_operands(weight, teacher, opts, tp_group, vocab_end, teacher_vocab_end):
     """`(KdSpec, (h_t, W_t, ids, logprobs), shard-local vocabulary ends)` for the opkd_kernels entries."""
-    from opkd_kernels.fused_kd import KdSpec
-
     spec = KdSpec(**{**opts, "beta": float(opts["beta"]), "temperature": float(opts["temperature"]),
                      "coverage_coef": float(opts["coverage_coef"])})
     if isinstance(teacher, HiddenTeacher):
         operands = (teacher.hidden.detach(), teacher.weight.detach(), None, None)
     else:
-        from opkd_mcore.losses.kd_loss import select_support
-
         # the same choice of ids as kd_loss (top-k of a wider teacher, ties)
         ids, logprobs, _ = select_support(None, teacher, support=opts["support"], k=opts["k"], group=tp_group)
         operands = (None, None, ids, logprobs)
@@ -184,7 +183,6 @@ def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teache
         loss = materialised_linear_kd_loss(hidden, weight, teacher, vocab_end=vocab_end,
                                            teacher_vocab_end=teacher_vocab_end, tp_group=tp_group, **opts)
         return loss, None
-    from opkd_kernels.fused_linear_kd import fused_linear_kd_loss
 
     spec, operands, ends = _kernel_operands(weight, teacher, opts, tp_group, vocab_end, teacher_vocab_end)
     out = fused_linear_kd_loss(hidden, weight, *operands, spec=spec, tp_group=tp_group, backend=name,
@@ -194,8 +192,6 @@ def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teache
 
 
 def _check_row_weights(row_weights, hidden: torch.Tensor, validate: bool) -> None:
-    from opkd_kernels.linear_kd_rows import check_row_weights
-
     check_row_weights(row_weights, hidden)   # shape, dtype, device: the kernel entry's own check
     if validate and not torch.isfinite(row_weights).all():
         raise ValueError("row_weights: expected finite values (d scalar / d loss per token), found inf or NaN")
@@ -230,7 +226,6 @@ def linear_kd_loss_weighted(hidden: torch.Tensor, weight: torch.Tensor, teacher,
                                             teacher_vocab_end=teacher_vocab_end)
         c = row_weights.detach().to(loss.dtype)
         return torch.where(c != 0, c * loss, torch.zeros_like(loss)).sum(), loss.detach(), None
-    from opkd_kernels.linear_kd_rows import rows_linear_kd_loss
 
     spec, operands, ends = _kernel_operands(weight, teacher, opts, tp_group, vocab_end, teacher_vocab_end)
     scalar, loss, teacher_mass, student_mass, lse, top1 = rows_linear_kd_loss(

@@ -20,7 +20,8 @@ import torch
 from opkd_mcore.losses import validation
 from opkd_mcore.losses import vocab_parallel as vp
 from opkd_mcore.losses.full_vocab import compute_dtype, full_vocab_kd
-from opkd_mcore.losses.support_kd import SupportKD
+from opkd_mcore.losses.fused import fused_kd_loss_or_none
+from opkd_mcore.losses.support_kd import SupportKD, select_support
 from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, TopKTeacher
 
 
@@ -92,7 +93,7 @@ def _kd_loss(student_logits, teacher, *, divergence="forward_kl", beta=0.5, temp
     if validate:
         validation.check_values(teacher, vocab=student_logits.shape[1] * tp_size)
     if impl != "reference":
-        fused = _try_fused(student_logits, teacher, tp_group=tp_group, return_masses=True,
+        fused = fused_kd_loss_or_none(student_logits, teacher, tp_group=tp_group, return_masses=True,
                            backend="auto" if impl == "fused" else impl, **opts)
         if fused is not None:
             loss, teacher_mass, student_mass, ids = fused
@@ -154,32 +155,6 @@ def _fused_overlap(student_logits, teacher, support_ids, support, overlap_k, gro
         return None
     return topk_overlap(vp.sharded_topk(teacher.logits.detach(), overlap_k, group),
                         vp.sharded_topk(student_logits.detach(), overlap_k, group))
-
-
-def _try_fused(student_logits, teacher, **kd_kwargs):
-    try:
-        from opkd_mcore.losses.fused import fused_kd_loss_or_none
-    except ImportError:
-        return None
-    return fused_kd_loss_or_none(student_logits, teacher, **kd_kwargs)
-
-
-@torch.no_grad()
-def select_support(student_logits, teacher, *, support, k, group):
-    """Support ids `[N, C]` (global, -1 = padding), top-k teacher logprobs `[N, C]` or None, and the
-    student's top-k ids when they were computed (union), else None."""
-    if isinstance(teacher, TopKTeacher):
-        ids, logprobs = teacher.ids.long(), teacher.logprobs.detach()
-        if k is not None and k < ids.shape[1]:
-            keep = torch.where(ids != PAD_ID, logprobs, float("-inf")).topk(k, dim=1).indices
-            ids, logprobs = ids.gather(1, keep), logprobs.gather(1, keep)
-        return ids, logprobs, None
-    teacher_ids = vp.sharded_topk(teacher.logits.detach(), k, group)
-    if support == "teacher":
-        return teacher_ids, None, None
-    student_ids = vp.sharded_topk(student_logits.detach(), k, group)
-    in_teacher = (student_ids[:, :, None] == teacher_ids[:, None, :]).any(dim=2)
-    return torch.cat([teacher_ids, torch.where(in_teacher, PAD_ID, student_ids)], dim=1), None, student_ids
 
 
 @torch.no_grad()

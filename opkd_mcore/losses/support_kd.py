@@ -31,6 +31,7 @@ import torch
 from opkd_mcore.losses import vocab_parallel as vp
 from opkd_mcore.losses.divergences import divergence_grad, divergence_terms, weighted_log_ratio
 from opkd_mcore.losses.full_vocab import compute_dtype, global_log_softmax_stats
+from opkd_mcore.losses.teacher_outputs import PAD_ID, TopKTeacher
 
 MASSES = ("renorm", "tail", "raw")
 # The teacher's tail mass is floored so that reverse KL / JSD on a tail bucket stays finite when
@@ -180,3 +181,21 @@ class SupportKD(torch.autograd.Function):
         grad.scatter_add_(1, index, torch.where(on_shard, coef, 0.0))
         grad.mul_((grad_N.to(grad.dtype) / temperature)[:, None])
         return grad.to(student_NV.dtype), None, None, None, None, None, None, None, None, None
+
+
+@torch.no_grad()
+def select_support(student_logits, teacher, *, support, k, group):
+    """Support ids `[N, C]` (global, -1 = padding), top-k teacher logprobs `[N, C]` or None, and the
+    student's top-k ids when they were computed (union), else None."""
+    if isinstance(teacher, TopKTeacher):
+        ids, logprobs = teacher.ids.long(), teacher.logprobs.detach()
+        if k is not None and k < ids.shape[1]:
+            keep = torch.where(ids != PAD_ID, logprobs, float("-inf")).topk(k, dim=1).indices
+            ids, logprobs = ids.gather(1, keep), logprobs.gather(1, keep)
+        return ids, logprobs, None
+    teacher_ids = vp.sharded_topk(teacher.logits.detach(), k, group)
+    if support == "teacher":
+        return teacher_ids, None, None
+    student_ids = vp.sharded_topk(student_logits.detach(), k, group)
+    in_teacher = (student_ids[:, :, None] == teacher_ids[:, None, :]).any(dim=2)
+    return torch.cat([teacher_ids, torch.where(in_teacher, PAD_ID, student_ids)], dim=1), None, student_ids

@@ -12,6 +12,10 @@ import torch
 PAD_ID = -1
 
 
+class MalformedTeacherOutputError(ValueError):
+    """A teacher answered with rows of the wrong shape, NaN values or impossible ids."""
+
+
 @dataclass(frozen=True)
 class DenseTeacher:
     """Teacher logits `[N, V_local]`, sharded over the TP group exactly like the student's."""

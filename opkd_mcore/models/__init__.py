@@ -1,6 +1,7 @@
 """HF checkpoints <-> Megatron-core GPTModel: build, load (sliced), export (stream), save."""
 from opkd_mcore.models.bridge import BRIDGES, ModelBridge, get_bridge
 from opkd_mcore.models.builder import (
+    TORCH_DTYPES,
     ModelLayout,
     build_model,
     layout_of,
@@ -20,6 +21,7 @@ __all__ = [
     "BRIDGES",
     "ModelBridge",
     "ModelLayout",
+    "TORCH_DTYPES",
     "WeightMeta",
     "build_model",
     "get_bridge",

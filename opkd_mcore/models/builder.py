@@ -15,9 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from opkd_mcore.models.bridge import ModelBridge, get_bridge, hf_inv_freq
-from opkd_mcore.platform import current_device
+from opkd_mcore.platform import current_device, is_cpu, megatron_thd_rope
+from opkd_mcore.platform.megatron_moe import prepare_megatron_moe
+from opkd_mcore.platform.sdpa_attention import SdpaCoreAttention
 
 logger = logging.getLogger(__name__)
+
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_hf_config(hf_dir: str):
@@ -75,16 +80,12 @@ class ModelLayout:
 
 
 def _use_transformer_engine() -> bool:
-    from opkd_mcore.platform import is_cpu
-
     return not is_cpu() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def layer_spec(bridge: ModelBridge, use_te: bool | None = None):
     """Transformer Engine spec when TE is usable, else Megatron's local spec with SDPA attention."""
     from megatron.core.models.gpt import gpt_layer_specs
-
-    from opkd_mcore.platform import megatron_thd_rope
 
     use_te = _use_transformer_engine() if use_te is None else use_te
     # unfused packed-sequence RoPE (no TE, or TE without rope fusion) without Megatron's host syncs
@@ -93,13 +94,10 @@ def layer_spec(bridge: ModelBridge, use_te: bool | None = None):
     # bridge maps; the grouped-GEMM modules need TE or the grouped_gemm package
     num_experts = bridge.num_experts if bridge.is_moe else None
     if bridge.is_moe:
-        from opkd_mcore.platform.megatron_moe import prepare_megatron_moe
-
         prepare_megatron_moe()
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=bridge.qk_norm)
-    from opkd_mcore.platform.sdpa_attention import SdpaCoreAttention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                     qk_layernorm=bridge.qk_norm,
@@ -112,8 +110,6 @@ def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, **overrid
     """Megatron `TransformerConfig` for the bridge's HF config and the current parallel layout."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
-
-    from opkd_mcore.platform import is_cpu
 
     kwargs = bridge.transformer_config_kwargs()
     kwargs.update(
@@ -141,8 +137,6 @@ def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, **overrid
 
 
 def default_params_dtype() -> torch.dtype:
-    from opkd_mcore.platform import is_cpu
-
     return torch.float32 if is_cpu() else torch.bfloat16
 
 

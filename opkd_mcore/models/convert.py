@@ -28,13 +28,23 @@ import traceback
 
 import torch
 
+from opkd_mcore.models import (
+    TORCH_DTYPES,
+    build_model,
+    get_bridge,
+    load_hf_config,
+    load_hf_weights,
+    save_hf_checkpoint,
+)
+from opkd_mcore.models.builder import layout_of, unwrap
+from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel, is_rank0
+
 logger = logging.getLogger(__name__)
 
 META_FILE = "opkd_checkpoint.json"
 HF_SUBDIR = "hf"
 FORMAT = "opkd-mcore/megatron-dist-v1"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- checkpoint format
@@ -60,8 +70,6 @@ def read_checkpoint_meta(ckpt_dir: str) -> dict:
 
 def model_sharded_state_dict(model_chunks) -> dict:
     """One entry per VPP chunk; the tensor keys inside are global, so any layout can load them."""
-    from opkd_mcore.models.builder import unwrap
-
     # the unwrapped GPTModel: a DDP wrapper would prefix every key with "module."
     return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
 
@@ -75,12 +83,6 @@ def copy_hf_side_files(src_dir: str, dst_dir: str) -> None:
             shutil.copy2(path, os.path.join(dst_dir, name))
 
 
-def _is_rank0() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def save_mcore_checkpoint(model_chunks, out_dir: str, *, hf_src_dir: str | None = None,
                           extra_state: dict | None = None, contents: tuple[str, ...] = ("model",),
                           num_steps: int = 0) -> None:
@@ -88,16 +90,14 @@ def save_mcore_checkpoint(model_chunks, out_dir: str, *, hf_src_dir: str | None 
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from opkd_mcore.models.builder import layout_of, unwrap
-
     layout = layout_of(model_chunks)
-    if _is_rank0():
+    if is_rank0():
         os.makedirs(out_dir, exist_ok=True)
     dist.barrier()
     state = model_sharded_state_dict(model_chunks)
     state.update(extra_state or {})
     dist_checkpointing.save(state, out_dir)
-    if _is_rank0():
+    if is_rank0():
         # written after the tensors so that a half-written directory is never mistaken for a checkpoint
         hf_dir = os.path.join(out_dir, HF_SUBDIR)
         if hf_src_dir is not None:
@@ -123,7 +123,6 @@ def load_mcore_model(model_chunks, ckpt_dir: str, extra_sharded_state: dict | No
     request = model_sharded_state_dict(model_chunks)
     request.update(extra_sharded_state or {})
     loaded = dist_checkpointing.load(request, ckpt_dir)
-    from opkd_mcore.models.builder import unwrap
 
     for i, chunk in enumerate(model_chunks):
         unwrap(chunk).load_state_dict(loaded[f"model{i}"])
@@ -134,21 +133,18 @@ def load_mcore_model(model_chunks, ckpt_dir: str, extra_sharded_state: dict | No
 def _hf_params_dtype(hf_config) -> torch.dtype:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
     name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
-    return _DTYPES.get(name, torch.float32)
+    return TORCH_DTYPES.get(name, torch.float32)
 
 
 def _progress(desc: str, total: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="step", disable=not _is_rank0())
+    return tqdm(total=total, desc=desc, unit="step", disable=not is_rank0())
 
 
 def hf_to_mcore_worker(hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, device: str,
                        ep: int = 1, etp: int | None = None) -> None:
     """Per rank: build the model for (tp, pp, vpp, ep), read owned HF slices, save a dist checkpoint."""
-    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
-    from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
-
     init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp), device=device)
     try:
         hf_config = load_hf_config(hf_dir)
@@ -166,17 +162,14 @@ def hf_to_mcore_worker(hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | N
 def mcore_to_hf_worker(mcore_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, device: str,
                        max_shard_bytes: int, ep: int = 1, etp: int | None = None) -> None:
     """Per rank: build the model for (tp, pp, vpp, ep), load the dist checkpoint, write HF safetensors."""
-    from opkd_mcore.models import build_model, load_hf_config, save_hf_checkpoint
-    from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
-
     meta = read_checkpoint_meta(mcore_dir)
     hf_src = os.path.join(mcore_dir, HF_SUBDIR)
     init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp), device=device)
     try:
-        chunks = build_model(load_hf_config(hf_src), params_dtype=_DTYPES[meta["params_dtype"]])
+        chunks = build_model(load_hf_config(hf_src), params_dtype=TORCH_DTYPES[meta["params_dtype"]])
         load_mcore_model(chunks, mcore_dir)
         save_hf_checkpoint(chunks, out_dir, src_hf_dir=hf_src, max_shard_bytes=max_shard_bytes,
-                           progress=_is_rank0())
+                           progress=is_rank0())
     finally:
         destroy_parallel()
 
@@ -201,8 +194,6 @@ def check_output_dir(out_dir: str, force: bool) -> None:
 def check_hf_input(hf_dir: str, tp: int, pp: int, vpp: int | None, ep: int = 1,
                    etp: int | None = None) -> None:
     """Everything that can be checked before ranks start: files, architecture, divisibility."""
-    from opkd_mcore.models import get_bridge, load_hf_config
-
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"hf_dir: {hf_dir!r} is not a directory")
     hf_config = load_hf_config(hf_dir)  # FileNotFoundError naming config.json when it is missing
@@ -339,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"opkd convert: error: {err}", file=sys.stderr)
         return 2
-    if _is_rank0():
+    if is_rank0():
         print(f"opkd convert: wrote {args.out}")
     return 0
 

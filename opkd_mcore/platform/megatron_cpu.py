@@ -28,6 +28,8 @@ import time
 import torch
 from torch.overrides import TorchFunctionMode
 
+from opkd_mcore.platform import cpu_rng
+
 logger = logging.getLogger(__name__)
 
 _ACCEL_TYPE = "cuda"  # the device type Megatron hard-codes; rewritten to the CPU here
@@ -224,7 +226,6 @@ def enable_cpu_emulation() -> None:
         _swap(threading.Thread, {"run": _thread_run_with_mode(threading.Thread.run)}, saved, "thread")
         backward_cls = torch.autograd.function.BackwardCFunction
         _swap(backward_cls, {"apply": _backward_with_mode(backward_cls.apply)}, saved, "autograd")
-        from opkd_mcore.platform import cpu_rng
 
         _state["rng"] = cpu_rng.install_cpu_rng(saved)
         mode = CpuDeviceMode()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from opkd_mcore.platform import device as platform_device
 from opkd_mcore.platform import megatron_cpu
+from opkd_mcore.platform.cpu_rng import seed_cpu_model_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def global_rank() -> int:
+    """This process's rank: torch.distributed's once it runs, before that the launcher's RANK."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def is_rank0() -> bool:
+    return global_rank() == 0
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -108,8 +118,6 @@ def _seed_everything(cfg: ParallelConfig, on_cpu: bool) -> None:
     ep_rank = ps.get_expert_model_parallel_rank()
     etp_rank = ps.get_expert_tensor_parallel_rank()
     if on_cpu:
-        from opkd_mcore.platform.cpu_rng import seed_cpu_model_parallel
-
         seed_cpu_model_parallel(cfg.seed, tp_rank, ep_rank, etp_rank)
     else:
         torch.manual_seed(cfg.seed)

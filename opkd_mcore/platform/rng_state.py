@@ -15,14 +15,14 @@ from types import ModuleType
 
 import torch
 
+from opkd_mcore.platform import megatron_cpu
+from opkd_mcore.platform.device import device_type
+
 logger = logging.getLogger(__name__)
 
 
 def _accelerator() -> tuple[str, ModuleType] | None:
     """(device type, torch's module for it) when this process draws from an accelerator generator."""
-    from opkd_mcore.platform import megatron_cpu
-    from opkd_mcore.platform.device import device_type
-
     # under the CPU emulation `torch.cuda` is patched and every draw uses the CPU generator (saved)
     if megatron_cpu.is_enabled():
         return None

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from opkd_mcore import platform
 from opkd_mcore.rollout.config import RolloutConfig, SamplingConfig
 from opkd_mcore.rollout.sample import Sample
+from opkd_mcore.rollout.vllm_rollout import VllmRollout
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +21,6 @@ class RolloutWorker:
     """Body of one rollout actor (wrapped with `ray.remote` by `RayRolloutGroup`)."""
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, worker_extension_cls: str | None):
-        from opkd_mcore.rollout.vllm_rollout import VllmRollout
-
         self.engine = VllmRollout(model_dir, cfg, worker_extension_cls)
 
     def generate(self, prompts, sampling: SamplingConfig, data) -> list[Sample]:

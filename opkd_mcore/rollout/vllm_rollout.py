@@ -13,7 +13,10 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from opkd_mcore.data.build import encode_chat
+from opkd_mcore.platform import is_cpu
 from opkd_mcore.rollout.config import RolloutConfig, SamplingConfig
+from opkd_mcore.rollout.engine_env import child_pids, engine_environment, yield_cpu_to_trainer
 from opkd_mcore.rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -84,8 +87,6 @@ class VllmRollout:
         if worker_extension_cls:
             kwargs["worker_extension_cls"] = worker_extension_cls
         kwargs.update(cfg.extra_engine_kwargs)
-        from opkd_mcore.rollout.engine_env import child_pids, engine_environment, yield_cpu_to_trainer
-        from opkd_mcore.platform import is_cpu
 
         before = child_pids()
         with engine_environment():
@@ -165,8 +166,6 @@ class VllmRollout:
 
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat (list of {"role", "content"}) through the tokenizer's chat template."""
-        from opkd_mcore.data.build import encode_chat
-
         return encode_chat(self.llm.get_tokenizer(), messages, source=f"prompts ({self.model_dir})")
 
     def _prompt_ids(self, prompts: Sequence) -> list[list[int]]:

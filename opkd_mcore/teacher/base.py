@@ -11,7 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
-from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, HiddenTeacher, TopKTeacher
+from opkd_mcore.losses.teacher_outputs import (
+    PAD_ID,
+    DenseTeacher,
+    HiddenTeacher,
+    MalformedTeacherOutputError,
+    TopKTeacher,
+)
 
 TeacherOutput = TopKTeacher | DenseTeacher | HiddenTeacher
 
@@ -26,10 +32,6 @@ class TeacherUnavailableError(TeacherError):
     def __init__(self, message: str, address: str):
         super().__init__(message)
         self.address = address
-
-
-class MalformedTeacherOutputError(ValueError):
-    """A teacher answered with rows of the wrong shape, NaN values or impossible ids."""
 
 
 class Teacher(ABC):

@@ -20,6 +20,7 @@ import os
 import torch
 
 from opkd_mcore.losses.teacher_outputs import HiddenTeacher
+from opkd_mcore.models.weights import _SafetensorsIndex
 from opkd_mcore.teacher.base import MalformedTeacherOutputError
 
 # vLLM pooler settings: every position's final-norm hidden state, as is
@@ -87,8 +88,6 @@ def load_output_weight_shard(model_dir: str, padded_vocab: int, tp_rank: int, tp
     """This TP rank's rows `[padded_vocab / tp, H_t]` of the teacher's output weight (the embedding
     when tied), read from its HF safetensors checkpoint; rows past the checkpoint's are 0 (the loss
     masks them as vocabulary padding)."""
-    from opkd_mcore.models.weights import _SafetensorsIndex
-
     if padded_vocab % tp_size:
         raise ValueError(f"padded_vocab: {padded_vocab} is not divisible by the TP size {tp_size}")
     name, _ = _output_weight_name(model_dir)

@@ -17,7 +17,10 @@ import torch
 import torch.distributed as dist
 
 from opkd_mcore import platform
+from opkd_mcore.engine.megatron_engine import MegatronEngine
+from opkd_mcore.engine.packing import pack_sequences, split_by_token_budget
 from opkd_mcore.losses.teacher_outputs import DenseTeacher, TopKTeacher
+from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
 from opkd_mcore.teacher.base import Teacher, TeacherOutput, check_outputs, check_sequences
 
 logger = logging.getLogger(__name__)
@@ -75,9 +78,6 @@ class MegatronTeacher(Teacher):
     """Forward-only Megatron teacher loaded from a Hugging Face checkpoint (collective call)."""
 
     def __init__(self, hf_dir: str, cfg: MegatronTeacherConfig | None = None):
-        from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
-        from opkd_mcore.train.engine import MegatronEngine
-
         self.cfg = cfg or MegatronTeacherConfig()
         self.cfg.validate()
         self.hf_dir = hf_dir
@@ -112,8 +112,6 @@ class MegatronTeacher(Teacher):
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[TeacherOutput | None]:
         """Collective over the model-parallel group: every rank calls it with the same sequences."""
-        from opkd_mcore.train.batch import pack_sequences, split_by_token_budget
-
         seqs = check_sequences(sequences)
         if self._offloaded:
             self.reload()

@@ -38,6 +38,7 @@ from opkd_mcore.teacher.base import (
     check_sequences,
     topk_from_ranked,
 )
+from opkd_mcore.teacher.hidden_states import POOLING_TASK, WIRE_DTYPE, decode_bytes_response, rows_from_states
 
 logger = logging.getLogger(__name__)
 _MAX_ALLOWED = re.compile(r"max(?:imum)? allowed:?\s*(\d+)", re.IGNORECASE)
@@ -257,14 +258,10 @@ class RemoteVllmTeacher(Teacher):
             return f"request {self._counter} to {self.url}"
 
     def _pooling_body(self, batch: list[list[int]]) -> dict:
-        from opkd_mcore.teacher.hidden_states import POOLING_TASK, WIRE_DTYPE
-
         return {"model": self._model, "input": batch, "task": POOLING_TASK, "encoding_format": "bytes",
                 "embed_dtype": WIRE_DTYPE, "add_special_tokens": False}
 
     def _score_hidden_batch(self, batch: list[list[int]], request: str) -> list[HiddenTeacher]:
-        from opkd_mcore.teacher.hidden_states import decode_bytes_response, rows_from_states
-
         body, metadata = self._call("/pooling", self._pooling_body(batch), request, raw=True)
         t0 = time.perf_counter()
         states = decode_bytes_response(body, metadata, len(batch), request)

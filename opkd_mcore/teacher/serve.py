@@ -25,6 +25,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from opkd_mcore.teacher.hidden_states import server_args
+
 logger = logging.getLogger(__name__)
 
 
@@ -62,8 +64,6 @@ def server_command(cfg: TeacherServerConfig) -> list[str]:
     """The vLLM command line for `cfg` (prefix caching off, max-logprobs = k; or the pooling mode)."""
     cfg.validate()
     if cfg.output == "hidden":
-        from opkd_mcore.teacher.hidden_states import server_args
-
         mode = server_args()
     else:
         mode = ["--max-logprobs", str(cfg.k)]

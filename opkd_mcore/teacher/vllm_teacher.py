@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from opkd_mcore.losses.teacher_outputs import HiddenTeacher, TopKTeacher
+from opkd_mcore.platform import is_cpu
+from opkd_mcore.rollout.engine_env import child_pids, engine_environment, yield_cpu_to_trainer
+from opkd_mcore.rollout.vllm_rollout import shutdown_llm
 from opkd_mcore.teacher.base import Teacher, check_outputs, check_sequences, topk_from_flat
+from opkd_mcore.teacher.hidden_states import POOLING_TASK, engine_kwargs, rows_from_states
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +88,6 @@ class VllmTeacher(Teacher):
     def close(self) -> None:
         """Stop the engine this teacher built (an engine passed in belongs to the caller)."""
         if self._owns_engine:
-            from opkd_mcore.rollout.vllm_rollout import shutdown_llm
-
             shutdown_llm(self.llm)
 
     @property
@@ -101,13 +103,9 @@ class VllmTeacher(Teacher):
 
         cfg = self.cfg
         if cfg.output == "hidden":
-            from opkd_mcore.teacher.hidden_states import engine_kwargs
-
             mode = engine_kwargs()
         else:
             mode = dict(max_logprobs=-1 if self._full_vocab else cfg.k)
-        from opkd_mcore.platform import is_cpu
-        from opkd_mcore.rollout.engine_env import child_pids, engine_environment, yield_cpu_to_trainer
 
         before = child_pids()
         with engine_environment():  # inside a torchrun job: the engine is a job of its own
@@ -138,8 +136,6 @@ class VllmTeacher(Teacher):
         return scored
 
     def _score_hidden(self, seqs: list[list[int]]) -> list[HiddenTeacher]:
-        from opkd_mcore.teacher.hidden_states import POOLING_TASK, rows_from_states
-
         outputs = self.llm.encode([{"prompt_token_ids": s} for s in seqs], pooling_task=POOLING_TASK,
                                   use_tqdm=self.cfg.use_tqdm)
         scored = [rows_from_states(s, out.outputs.data, f"{self._address}: sequence {i}")

@@ -1,1 +1,2 @@
-"""train (see docs/DESIGN)."""
+"""One distillation run: its stages (rollout -> teacher -> train -> weight sync), the in-order loop
+of the torchrun launch, the run's artifacts (checkpoints, metrics, samples log) and resume."""

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from opkd_mcore.config.loader import ConfigError, from_dict, to_dict
+from opkd_mcore.config import ConfigError, from_dict, to_dict
 from opkd_mcore.config.schema import TrainConfig
+from opkd_mcore.platform import global_rank
 from opkd_mcore.platform.rng_state import capture_rng_states, restore_rng_states
 from opkd_mcore.train.metrics import METRICS_FILE
 
@@ -51,11 +52,6 @@ class TrainerState:
     step: int = 0  # optimizer steps completed
     weight_version: int = 0  # version of the weights the rollout engine holds
     sampler: dict = field(default_factory=dict)  # PromptSampler.state_dict()
-
-
-def _rank() -> int:
-    # before torch.distributed starts (prepare_run_dir), the launcher's RANK says who is rank 0
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def _barrier() -> None:
@@ -119,18 +115,18 @@ def save_checkpoint(output_dir: str, engine, state: TrainerState, config_yaml: s
     root = checkpoint_root(output_dir)
     name = f"{STEP_PREFIX}{state.step:06d}"
     path = os.path.join(root, name)
-    if _rank() == 0:
+    if global_rank() == 0:
         if os.path.isdir(path):  # a partial save of the same step from a killed run
             shutil.rmtree(path)
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
     engine.save_checkpoint(os.path.join(path, "engine"))
-    _save_torch(capture_rng_states(), os.path.join(path, "rng", f"rank_{_rank():05d}.pt"))
-    if _rank() == 0:
+    _save_torch(capture_rng_states(), os.path.join(path, "rng", f"rank_{global_rank():05d}.pt"))
+    if global_rank() == 0:
         _write_text(os.path.join(path, "trainer_state.json"), json.dumps(asdict(state), indent=2))
         _write_text(os.path.join(path, "config.yaml"), config_yaml)
     _barrier()
-    if _rank() == 0:
+    if global_rank() == 0:
         _fsync_tree(os.path.join(path, "engine"))
         _fsync_path(os.path.join(path, "rng"))
         _fsync_path(path)
@@ -209,7 +205,7 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, export_only: bool = False
         raise ResumeError(f"run.output_dir: {root} already holds checkpoints of an earlier run "
                           f"({', '.join(existing[:4])}); continue it with --resume, or replace it with "
                           "--overwrite (run.overwrite=true)")
-    if _rank() == 0:  # the other ranks see the same directory; one removes it
+    if global_rank() == 0:  # the other ranks see the same directory; one removes it
         logger.warning("run.overwrite: removing %s and the old %s", root, METRICS_FILE)
         shutil.rmtree(root)
         if os.path.exists(os.path.join(out, METRICS_FILE)):
@@ -369,11 +365,11 @@ def load_checkpoint(path: str, engine) -> TrainerState:
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise ValueError(f"checkpoint {path!r}: no trainer_state.json (not a complete checkpoint)")
     engine.load_checkpoint(os.path.join(path, "engine"))
-    rng_file = os.path.join(path, "rng", f"rank_{_rank():05d}.pt")
+    rng_file = os.path.join(path, "rng", f"rank_{global_rank():05d}.pt")
     if os.path.isfile(rng_file):
         restore_rng_states(_load_rng_file(rng_file))
     else:
-        logger.warning("checkpoint %s has no RNG state for rank %d (different world size?)", path, _rank())
+        logger.warning("checkpoint %s has no RNG state for rank %d (different world size?)", path, global_rank())
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = TrainerState(**json.load(f))
     logger.info("resumed from %s (step %d, weight version %d)", path, state.step, state.weight_version)

@@ -12,22 +12,32 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 
-from opkd_mcore.config.schema import TrainConfig
-from opkd_mcore.train.optim import OptimConfig
+from opkd_mcore.config import ConfigError
+from opkd_mcore.config.schema import OptimSection, TrainConfig
+from opkd_mcore.data import PromptSampler, build_datasets
+from opkd_mcore.data.rewards import TaskRewards
+from opkd_mcore.engine.megatron_engine import MegatronEngine
+from opkd_mcore.losses.fused import require_fused
+from opkd_mcore.models import TORCH_DTYPES, build_model, load_hf_config, load_hf_weights
+from opkd_mcore.models.builder import padded_vocab_size
+from opkd_mcore.platform import device_type, is_cpu, is_rank0
+from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+from opkd_mcore.rollout import RolloutConfig, VllmRollout
+from opkd_mcore.train.checkpoint import load_checkpoint, require_checkpoint, rollout_version_on_resume
+from opkd_mcore.train.loop import DistillationRun
 from opkd_mcore.train.stages import ShardLayout
+from opkd_mcore.train.teacher_setup import (
+    build_in_step_teacher,
+    build_scoring_teacher,
+    in_step_endpoint,
+    with_hidden_teacher_head,
+)
+from opkd_mcore.weight_sync.engine_link import EngineWeightSync
+from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
+from opkd_mcore.weight_sync.vllm_handle import RECEIVER_CLS, VllmSyncHandle
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def is_rank0() -> bool:
-    if dist.is_initialized():
-        return dist.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
-
 
 def init_distributed(cfg: TrainConfig) -> None:
     """torch.distributed + Megatron groups + seeds for the run's layout."""
@@ -37,8 +47,6 @@ def init_distributed(cfg: TrainConfig) -> None:
     from torch._dynamo.trace_rules import get_torch_obj_rule_map
 
     get_torch_obj_rule_map()
-
-    from opkd_mcore.platform.parallel import ParallelConfig, init_parallel
 
     par = cfg.parallel
     init_parallel(ParallelConfig(tp=par.tp, pp=par.pp, vpp=par.vpp, cp=par.cp, ep=par.ep, etp=par.etp,
@@ -55,16 +63,13 @@ def shard_layout(engine) -> ShardLayout:
                        vocab_size=engine.vocab_size)
 
 
-def build_student(model_dir: str, optim: OptimConfig | None, params_dtype: str = "float32", *,
+def build_student(model_dir: str, optim: OptimSection | None, params_dtype: str = "float32", *,
                   padded_vocab: int | None = None, teacher=None, moe_aux_loss_coef: float = 0.0):
     """Megatron chunks of this rank loaded from an HF checkpoint, wrapped in a `MegatronEngine`
     (with `teacher`, an `InStepTeacher`, run inside each training step). An MoE student gets the
     router load-balancing loss when `moe_aux_loss_coef` > 0."""
-    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
-    from opkd_mcore.train.engine import MegatronEngine
-
     moe = {"moe_aux_loss_coeff": moe_aux_loss_coef} if moe_aux_loss_coef else {}
-    chunks = build_model(load_hf_config(model_dir), params_dtype=DTYPES[params_dtype],
+    chunks = build_model(load_hf_config(model_dir), params_dtype=TORCH_DTYPES[params_dtype],
                          padded_vocab=padded_vocab, **moe)
     load_hf_weights(chunks, model_dir)
     return MegatronEngine(chunks, optim, teacher=teacher), chunks
@@ -72,8 +77,6 @@ def build_student(model_dir: str, optim: OptimConfig | None, params_dtype: str =
 
 def student_vocab_size(cfg: TrainConfig) -> int:
     """Token ids the student (and its rollout engine) can emit: its HF `vocab_size`."""
-    from opkd_mcore.models import load_hf_config
-
     return load_hf_config(cfg.model.student).vocab_size
 
 
@@ -81,10 +84,6 @@ def shared_padded_vocab(cfg: TrainConfig) -> tuple[int, int]:
     """(padded vocabulary rows, the student's vocabulary): one layout for the student and an
     in-step teacher, so row r of both logits shards is the same token id."""
     from megatron.core import parallel_state as ps
-
-    from opkd_mcore.models import load_hf_config
-    from opkd_mcore.models.builder import padded_vocab_size
-    from opkd_mcore.train.teacher_setup import in_step_endpoint
 
     tp = ps.get_tensor_model_parallel_world_size()
     student_vocab = student_vocab_size(cfg)
@@ -99,17 +98,12 @@ def task_rewards(cfg: TrainConfig):
     """The reward functions of the run (rank 0 scores the samples), or None without task rewards."""
     if not cfg.loss.task_reward_coef or not is_rank0():
         return None
-    from opkd_mcore.data.rewards import TaskRewards
 
     return TaskRewards(cfg.data.rewards)
 
 
 def check_loss_impl(cfg: TrainConfig) -> None:
     """`loss.impl` that cannot be honoured on this device is an error before anything runs."""
-    from opkd_mcore.config import ConfigError
-    from opkd_mcore.losses.fused import require_fused
-    from opkd_mcore.platform import device_type
-
     impl = cfg.loss.impl
     if cfg.loss.form == "policy_gradient":
         if impl not in ("auto", "reference"):
@@ -117,7 +111,7 @@ def check_loss_impl(cfg: TrainConfig) -> None:
                               "loss.form: policy_gradient uses Megatron's cross entropy; use auto")
         return
     try:
-        name = require_fused(impl, torch.device(device_type(cfg.run.device)), DTYPES[cfg.model.params_dtype])
+        name = require_fused(impl, torch.device(device_type(cfg.run.device)), TORCH_DTYPES[cfg.model.params_dtype])
     except ValueError as err:
         raise ConfigError(str(err)) from None
     logger.info("loss: %s", f"fused kernels ({name})" if name else "torch reference path")
@@ -128,9 +122,6 @@ def build_rollout(cfg: TrainConfig, model_dir: str | None = None, tensor_paralle
     """The student's vLLM engine (rank 0 only; under the Ray controller, each rollout actor), with the
     weight receiver mixed into its workers; `sleep_mode`: it can free its memory while a colocated
     trainer trains."""
-    from opkd_mcore.rollout import RolloutConfig, VllmRollout
-    from opkd_mcore.weight_sync.vllm_handle import RECEIVER_CLS
-
     ro = cfg.rollout
     # raw logprobs (before temperature / top-p): the student's logprobs in the policy-gradient
     # form are at T=1 too, so the importance ratio compares like with like at any temperature
@@ -142,7 +133,7 @@ def build_rollout(cfg: TrainConfig, model_dir: str | None = None, tensor_paralle
     return VllmRollout(model_dir or cfg.model.student, rc, worker_extension_cls=RECEIVER_CLS)
 
 
-def optim_config(cfg: TrainConfig) -> OptimConfig:
+def optim_config(cfg: TrainConfig) -> OptimSection:
     optim = dataclasses.replace(cfg.optim)
     if optim.lr_decay_style != "constant" and optim.lr_decay_steps is None:
         optim.lr_decay_steps = cfg.run.steps
@@ -153,8 +144,6 @@ def colocated_transport(name: str, device: str | None) -> str:
     """The transport for a rollout engine on rank 0's own device (the torchrun layout): "auto" is
     device IPC on an accelerator (one device cannot be two ranks of an accelerator group) and the
     gloo group on CPU."""
-    from opkd_mcore.platform import is_cpu
-
     if name != "auto":
         return name
     return "group" if is_cpu(device) else "colocated_ipc"
@@ -165,10 +154,6 @@ class WeightSyncer:
     the rollout engine is paused while its weights change and then carries the new version."""
 
     def __init__(self, chunks, rollout, cfg: TrainConfig, port: int | None = None):
-        from opkd_mcore.weight_sync.engine_link import EngineWeightSync
-        from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
-        from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle
-
         # a wanted port (moved if taken) or 0: stage owners bind a free port and tell the engine
         port = port or int(os.environ.get("OPKD_SYNC_PORT", "0"))
         groups_cfg = SyncGroupsConfig(host=cfg.weight_sync.host, base_port=port,
@@ -204,14 +189,12 @@ def build_trainer_rank(cfg: TrainConfig):
     trainer actors both build their ranks here, so they train the same way."""
     from megatron.core import parallel_state as ps
 
-    from opkd_mcore.train.teacher_setup import build_in_step_teacher, with_hidden_teacher_head
-
     padded_vocab, student_vocab = shared_padded_vocab(cfg)
     in_step = build_in_step_teacher(cfg, padded_vocab, student_vocab)
     engine, chunks = build_student(cfg.model.student, optim_config(cfg), cfg.model.params_dtype,
                                    padded_vocab=padded_vocab, teacher=in_step,
                                    moe_aux_loss_coef=cfg.loss.moe_aux_loss_coef)
-    shard = with_hidden_teacher_head(cfg, shard_layout(engine), DTYPES[cfg.model.params_dtype],
+    shard = with_hidden_teacher_head(cfg, shard_layout(engine), TORCH_DTYPES[cfg.model.params_dtype],
                                      engine.device)
     return engine, chunks, shard, ps.get_tensor_model_parallel_group()
 
@@ -220,12 +203,6 @@ def build_run(cfg: TrainConfig, *, resume: bool = False):
     """Every part of a run on this rank (`loop.DistillationRun`), restored from the latest
     checkpoint when `resume` (one must exist; the rollout engine then gets the restored weights)."""
     from transformers import AutoTokenizer
-
-    from opkd_mcore.data import PromptSampler, build_datasets
-    from opkd_mcore.train.checkpoint import load_checkpoint, require_checkpoint, rollout_version_on_resume
-    from opkd_mcore.train.loop import DistillationRun
-
-    from opkd_mcore.train.teacher_setup import build_scoring_teacher
 
     # vLLM engines first: importing vLLM after the CPU emulation is on trips torch.compile
     check_loss_impl(cfg)
@@ -253,8 +230,6 @@ def build_run(cfg: TrainConfig, *, resume: bool = False):
 
 def close_run(run) -> None:
     """Stop engines and tear down the parallel state."""
-    from opkd_mcore.platform.parallel import destroy_parallel
-
     run.syncer.close()
     if run.teacher is not None:
         run.teacher.close()

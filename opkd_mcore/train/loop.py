@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.data import PromptDataset, PromptSampler, encode_record
 from opkd_mcore.losses import HiddenTeacher, TopKTeacher
+from opkd_mcore.platform import is_rank0
 from opkd_mcore.rollout import SamplingConfig
+from opkd_mcore.rollout.vllm_rollout import sample_seed
 from opkd_mcore.train import stages
 from opkd_mcore.train.checkpoint import TrainerState
-from opkd_mcore.train.components import is_rank0
+from opkd_mcore.train.samples_log import batch_records, default_teacher_name, draw_epochs
 from opkd_mcore.train.teacher_setup import route_data
 
 logger = logging.getLogger(__name__)
@@ -85,7 +87,6 @@ class DistillationRun:
         """One samples.jsonl line per trained sample (the in-order schedule drops nothing)."""
         if self.samples_log is None:
             return
-        from opkd_mcore.train.samples_log import batch_records, default_teacher_name, draw_epochs
 
         epochs = draw_epochs(drawn_from, len(self.dataset), len(prompts.indices))
         self.samples_log.write(batch_records(
@@ -97,8 +98,6 @@ def encode_prompts(cfg: TrainConfig, tokenizer, dataset: PromptDataset, indices:
                    batch_number: int) -> stages.PromptBatch:
     """Token ids, routed data and sampling seeds of the prompts `indices`, drawn as batch
     `batch_number` (the step, in order); the Ray controller draws its prompts through this too."""
-    from opkd_mcore.rollout.vllm_rollout import sample_seed
-
     data = [route_data(cfg, {"data_source": dataset.data_source(i), "answer": dataset.answer(i),
                              "prompt": dataset.prompt(i)}) for i in indices]
     ids = [encode_record(tokenizer, dataset, i, cfg.data.chat_template) for i in indices]

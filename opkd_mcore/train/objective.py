@@ -17,6 +17,9 @@ from types import SimpleNamespace
 import torch
 
 from opkd_mcore.config.schema import LossSection
+from opkd_mcore.config.validate import fused_lm_head_mode
+from opkd_mcore.engine.lm_head import LmHeadInput
+from opkd_mcore.engine.packing import PackedBatch
 from opkd_mcore.losses import (
     DenseTeacher,
     HiddenTeacher,
@@ -24,11 +27,12 @@ from opkd_mcore.losses import (
     aggregate,
     aggregate_row_weights,
     kd_loss_with_stats,
+    linear_kd_loss_weighted,
+    linear_kd_loss_with_stats,
     policy_gradient_kd_loss,
 )
-from opkd_mcore.losses.fused_linear import hidden_teacher_logits
-from opkd_mcore.train.batch import PackedBatch
-from opkd_mcore.train.lm_head import LmHeadInput
+from opkd_mcore.losses import vocab_parallel as vp
+from opkd_mcore.losses.fused_linear import engine_name, hidden_teacher_logits
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +129,6 @@ def fused_lm_head_plan(loss: LossSection, batch: PackedBatch, device, dtype: tor
     gets an `LmHeadInput`). `auto`: where the Triton tiles run and the objective and teacher are
     covered; the chunked twin on CPU / NPU trades one more pass for memory, so it is on only when
     asked for (`on`). The decision is logged once."""
-    from opkd_mcore.config.validate import fused_lm_head_mode
-    from opkd_mcore.losses.fused_linear import engine_name
-
     mode = fused_lm_head_mode(loss.fused_lm_head)
     if mode == "off":
         _say_lm_head("off (loss.fused_lm_head: off)")
@@ -163,8 +164,6 @@ def lm_head_engine(loss: LossSection, teacher, hidden=None) -> str | None:
     keeps the chunked twin, which holds one [rows, 4096] block. A named engine is taken as asked
     (`rows` on any device, `loss.impl` picking its logits kernels); a named twin (cpp / torch)
     is never overridden."""
-    from opkd_mcore.losses.fused_linear import engine_name
-
     impl = _engine_impl(loss.impl)
     if loss.lm_head_engine == "rows":
         return "rows"
@@ -184,8 +183,6 @@ def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group, row_we
     """`kd_loss` of the logits `head.hidden @ head.weight.T`, never formed whole: (per-token
     loss, metrics, scalar). With `row_weights` (the rows engine) the scalar is `sum(row_weights *
     loss)`, back-propagated as is; without, None (the caller aggregates the per-token loss)."""
-    from opkd_mcore.losses import linear_kd_loss_weighted, linear_kd_loss_with_stats
-
     teacher = batch.teacher
     if isinstance(teacher, HiddenTeacher) and teacher.hidden.dtype != head.hidden.dtype:
         # served rows arrive in bf16; the kernels take one operand dtype (the student's)
@@ -232,8 +229,6 @@ def _distribution_kd(logits, batch, loss: LossSection, tp_group):
 @torch.no_grad()
 def _nonfinite_rows(logits_local: torch.Tensor, tp_group) -> torch.Tensor:
     """1 for rows holding NaN on any vocabulary shard (a row max propagates NaN: no [N, V] mask)."""
-    from opkd_mcore.losses import vocab_parallel as vp
-
     bad = torch.isnan(logits_local.amax(dim=1)).float()
     return vp.all_reduce_max_(bad, tp_group)
 
@@ -241,8 +236,6 @@ def _nonfinite_rows(logits_local: torch.Tensor, tp_group) -> torch.Tensor:
 @torch.no_grad()
 def _top1_agreement(teacher_logits_local: torch.Tensor, batch: PackedBatch, tp_group) -> torch.Tensor:
     """1 where the teacher's most likely next token is the sampled one (per row)."""
-    from opkd_mcore.losses import vocab_parallel as vp
-
     top1 = vp.sharded_topk(teacher_logits_local, 1, tp_group)[:, 0]
     return (top1 == _next_tokens(batch)).float()
 

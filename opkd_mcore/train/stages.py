@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from opkd_mcore.config.schema import LossSection, ParallelSection
+from opkd_mcore.data.rewards import group_advantages
+from opkd_mcore.engine.packing import PackedBatch, pack_sequences
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, teacher_confidence_scores, teacher_confidence_weights
 from opkd_mcore.losses.teacher_outputs import PAD_ID, HiddenTeacher
 from opkd_mcore.rollout import Sample, SamplingConfig
-from opkd_mcore.train.batch import PackedBatch, pack_sequences
 from opkd_mcore.train.objective import StepCounts, make_loss_fn
 
 
@@ -85,8 +86,6 @@ def teacher_stage(teacher, batch: RolloutBatch) -> ScoredBatch:
 
 def reward_stage(scored: ScoredBatch, rewards, tokenizer) -> dict[str, float]:
     """Task rewards of the samples and their group-normalised advantages (into `scored`)."""
-    from opkd_mcore.data.rewards import group_advantages
-
     values = [rewards.score(tokenizer.decode(s.response_ids, skip_special_tokens=True), s.data)
               for s in scored.samples]
     scored.task_advantages = group_advantages(values, [s.group_id for s in scored.samples])

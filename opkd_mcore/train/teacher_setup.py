@@ -4,7 +4,7 @@
   SPMD job) before the student's update: top-k rows, or full-vocabulary logits for an `hf`
   teacher with `output: dense` (tiny CPU runs: rank 0 then shares those logits with every rank).
 * A `megatron` teacher is a `MegatronTeacher` inside the SPMD job, on the student's parallel
-  groups, run micro-batch by micro-batch inside the student's step (`train/teacher_in_step.py`):
+  groups, run micro-batch by micro-batch inside the student's step (`engine/teacher_in_step.py`):
   its TP-sharded logits never leave the rank that uses them.
 """
 from __future__ import annotations
@@ -14,6 +14,14 @@ import logging
 
 from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
 from opkd_mcore.config.validate import teacher_output
+from opkd_mcore.engine.teacher_in_step import InStepTeacher
+from opkd_mcore.models import TORCH_DTYPES, load_hf_config
+from opkd_mcore.teacher.hf_teacher import TransformersTeacher
+from opkd_mcore.teacher.hidden_states import load_output_weight_shard
+from opkd_mcore.teacher.megatron_teacher import MegatronTeacher, MegatronTeacherConfig
+from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher
+from opkd_mcore.teacher.router import TeacherRouter
+from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +39,6 @@ def with_hidden_teacher_head(cfg: TrainConfig, shard, dtype, device=None):
         return shard
     from megatron.core import parallel_state as ps
 
-    from opkd_mcore.models import load_hf_config
-    from opkd_mcore.teacher.hidden_states import load_output_weight_shard
-
     weight = load_output_weight_shard(t.model, shard.padded_vocab, ps.get_tensor_model_parallel_rank(),
                                       ps.get_tensor_model_parallel_world_size(), dtype, device)
     vocab = load_hf_config(t.model).vocab_size
@@ -45,23 +50,16 @@ def with_hidden_teacher_head(cfg: TrainConfig, shard, dtype, device=None):
 
 def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None):
     if t.backend == "vllm":
-        from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
-
         return VllmTeacher(t.model, VllmTeacherConfig(
             k=t.top_k, max_model_len=cfg.rollout.max_model_len, seed=cfg.rollout.seed, dtype=t.dtype,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "remote":
-        from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher
-
         # the server is asked once whether it can score every id the student may sample
         return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k, student_vocab_size=student_vocab,
                                                      output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "hf":
-        from opkd_mcore.teacher.hf_teacher import TransformersTeacher
-        from opkd_mcore.train.components import DTYPES
-
-        dtype = DTYPES["float32" if t.dtype == "auto" else t.dtype]
+        dtype = TORCH_DTYPES["float32" if t.dtype == "auto" else t.dtype]
         # dense: raw logits; kd_loss applies loss.temperature to dense teacher logits itself
         return TransformersTeacher(t.model, k=None if teacher_output(t) == "dense" else t.top_k, dtype=dtype)
     raise ValueError(f"teacher {t.name!r}: backend {t.backend!r} is not a scoring teacher "
@@ -81,7 +79,6 @@ def build_scoring_teacher(cfg: TrainConfig, student_vocab: int | None = None):
     teachers = cfg.teacher.teachers
     if len(teachers) == 1 and not teachers[0].replica_urls:
         return _one_teacher(teachers[0], cfg, student_vocab)
-    from opkd_mcore.teacher.router import TeacherRouter
 
     by_name = {t.name: _replicas(t, cfg, student_vocab) for t in teachers}
     default = next((t.name for t in teachers if not t.data_sources), None)
@@ -94,9 +91,6 @@ def build_in_step_teacher(cfg: TrainConfig, padded_vocab: int, student_vocab: in
     if t is None:
         return None
     import torch
-
-    from opkd_mcore.teacher.megatron_teacher import MegatronTeacher, MegatronTeacherConfig
-    from opkd_mcore.train.teacher_in_step import InStepTeacher
 
     teacher = MegatronTeacher(t.model, MegatronTeacherConfig(
         params_dtype=getattr(torch, cfg.model.params_dtype), offload_between_calls=t.offload,

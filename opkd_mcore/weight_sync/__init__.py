@@ -9,7 +9,13 @@ also drives the engine) · copy_replay.py (a bucket's pack or load recorded once
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
 from opkd_mcore.weight_sync.engine_link import EngineWeightSync
 from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
-from opkd_mcore.weight_sync.plan import DEFAULT_BUCKET_BYTES, Bucket, BucketPlan, PlanMismatchError, TensorSlot
+from opkd_mcore.weight_sync.plan import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    BucketPlan,
+    PlanMismatchError,
+    TensorSlot,
+)
 from opkd_mcore.weight_sync.sender import SenderStats, WeightSender
 from opkd_mcore.weight_sync.transport import (
     TRANSPORTS,

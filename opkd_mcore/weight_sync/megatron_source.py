@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from opkd_mcore.models import hf_weight_metadata, iter_hf_weights
 from opkd_mcore.platform import current_device
-
 from opkd_mcore.weight_sync.copy_replay import BucketReplay, ModelStorages, replay_over
 from opkd_mcore.weight_sync.peer_export import TP_EXPORTS, PeerExport
 from opkd_mcore.weight_sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
@@ -129,8 +129,6 @@ class MegatronWeightSync:
     """Build once after the model exists; call `sync(version)` after every optimizer step."""
 
     def __init__(self, model_chunks, cfg: SyncGroupsConfig):
-        from opkd_mcore.models import hf_weight_metadata
-
         self.model_chunks, self.cfg = model_chunks, cfg
         stage, num_stages, *_ = _ranks()
         self.ep = _expert_ranks()[1]
@@ -177,8 +175,6 @@ class MegatronWeightSync:
     def sync(self, version: int) -> SenderStats | None:
         """Export and send this rank's sources (collective over TP / expert TP); raises on every
         exporting rank on failure."""
-        from opkd_mcore.models import iter_hf_weights
-
         stage = _ranks()[0]
         if self._peer_export() is not None:
             return self._sync_peer(version)

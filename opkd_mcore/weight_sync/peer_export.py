@@ -26,8 +26,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from opkd_mcore.models import shard_writes
 from opkd_mcore.platform import current_device
-from opkd_mcore.platform.ipc_handles import decode_handles, encode_handles, export_ipc_handles, open_ipc_handle
+from opkd_mcore.platform.ipc_handles import (
+    decode_handles,
+    encode_handles,
+    export_ipc_handles,
+    open_ipc_handle,
+)
 from opkd_mcore.weight_sync.plan import BucketPlan
 
 logger = logging.getLogger(__name__)
@@ -110,8 +116,6 @@ class PeerExport:
             dst.copy_(src)
 
     def _pairs_of(self, i: int, buf: torch.Tensor) -> list:
-        from opkd_mcore.models import shard_writes
-
         key = (i, buf.data_ptr())
         if key not in self._pairs:
             slots = [self.plan.slots[j] for j in self.buckets[i].slots]

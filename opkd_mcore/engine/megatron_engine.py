@@ -9,17 +9,17 @@ The engine owns the parallel training mechanics and nothing about distillation:
   `[T, V_local]` (Megatron's built-in cross entropy is never used);
 * clipping + optimizer step + LR schedule (`optim.clip_and_step`, correct on CPU too);
 * forward-only mode (`optim=None`) for a Megatron teacher or evaluation;
-* an optional dense teacher run inside the step (`train/teacher_in_step.py`): its TP-sharded
+* an optional dense teacher run inside the step (`engine/teacher_in_step.py`): its TP-sharded
   logits of each micro-batch reach `loss_fn` as the batch's `DenseTeacher`;
-* the fused LM head (`train/lm_head.py`): when `loss_fn.lm_head_plan(batch, device, dtype)` says
+* the fused LM head (`engine/lm_head.py`): when `loss_fn.lm_head_plan(batch, device, dtype)` says
   so, the chunks run without their output layer and `loss_fn` receives an `LmHeadInput` (hidden
   states + output-weight shard) instead of logits; an in-step teacher then hands over its hidden
   states + weight shard as a `HiddenTeacher`;
 * a step whose loss or gradient norm is not finite is skipped (counted, never applied);
 * MoE students: Megatron's router load-balancing loss when the model was built with a coefficient,
-  scaled per step, and the `moe/*` router metrics (`train/moe_stats.py`);
+  scaled per step, and the `moe/*` router metrics (`engine/moe_stats.py`);
 * checkpoints of model + optimizer + scheduler through `megatron.core.dist_checkpointing`
-  (`train/engine_checkpoint.py`).
+  (`engine/checkpoint.py`).
 
 Precision: whatever the chunks were built with (`build_model` picks fp32 on CPU, bf16 on accelerators);
 with bf16 the optimizer keeps fp32 main params.
@@ -35,9 +35,15 @@ import torch
 import torch.distributed as dist
 
 from opkd_mcore import platform
-from opkd_mcore.losses.teacher_outputs import DenseTeacher
-from opkd_mcore.train.batch import PackedBatch, pad_for_pipeline
-from opkd_mcore.train.optim import OptimConfig, build_optimizer, clip_and_step, ddp_config
+from opkd_mcore.config.schema import OptimSection
+from opkd_mcore.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from opkd_mcore.engine.lm_head import LmHeadInput, gpt_model, hidden_output, hidden_rows, output_weight
+from opkd_mcore.engine.moe_stats import MoeStepStats
+from opkd_mcore.engine.optim import build_optimizer, clip_and_step, ddp_config
+from opkd_mcore.engine.packing import PackedBatch, pad_for_pipeline
+from opkd_mcore.engine.teacher_in_step import PairedChunk, paired_chunks, unpair
+from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, MalformedTeacherOutputError
+from opkd_mcore.models.builder import layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +59,13 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     division by the token count: the caller's loss is normalised already."""
     from megatron.core.distributed import finalize_model_grads
 
-    from opkd_mcore.train.teacher_in_step import unpair
-
     return finalize_model_grads(unpair(model), num_tokens=None, **kwargs)
 
 
 class MegatronEngine:
     """Train (or only run) the GPTModel chunks of this rank (one per VPP chunk)."""
 
-    def __init__(self, model_chunks: Sequence[torch.nn.Module], optim: OptimConfig | None = None, *,
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], optim: OptimSection | None = None, *,
                  mask_vocab_padding: bool = True, teacher=None):
         from megatron.core.utils import get_model_config
 
@@ -93,12 +97,11 @@ class MegatronEngine:
             optim.validate()
             self.model = self._wrap_ddp(model_chunks, optim)
             self.optimizer, self.scheduler = build_optimizer(self.model, optim, self.params_dtype)
-        from opkd_mcore.train.moe_stats import MoeStepStats
 
         self.moe_stats = MoeStepStats.attach(model_chunks, self.config) if optim is not None else None
 
     # ------------------------------------------------------------------ setup
-    def _wrap_ddp(self, model_chunks, optim: OptimConfig) -> list:
+    def _wrap_ddp(self, model_chunks, optim: OptimSection) -> list:
         from megatron.core.distributed import DistributedDataParallel
 
         # Megatron reads this when DDP is built: sum (not average) gradients over DP, and hand the
@@ -161,8 +164,6 @@ class MegatronEngine:
                          packed_seq_params=batch.packed_seq_params())
         if not hidden:
             return run()
-        from opkd_mcore.train.lm_head import gpt_model, hidden_output
-        from opkd_mcore.train.teacher_in_step import PairedChunk
 
         gpts = [gpt_model(model)] + ([model.teacher[0]] if isinstance(model, PairedChunk) else [])
         with hidden_output(*gpts):
@@ -171,8 +172,6 @@ class MegatronEngine:
     def _lm_head_input(self, model, hidden_SBH: torch.Tensor, num_tokens: int):
         """The fused LM head's operands on the last stage: hidden rows [T, H] + output-weight shard."""
         from megatron.core import parallel_state as ps
-
-        from opkd_mcore.train.lm_head import LmHeadInput, gpt_model, hidden_rows, output_weight
 
         gpt = gpt_model(model)
         weight = output_weight(gpt)
@@ -185,9 +184,6 @@ class MegatronEngine:
     def _teacher_hidden(self, model, hidden_SBH: torch.Tensor, num_tokens: int, dtype: torch.dtype):
         """The in-step teacher's hidden rows + output-weight shard, for the fused LM head."""
         from megatron.core import parallel_state as ps
-
-        from opkd_mcore.losses.teacher_outputs import HiddenTeacher
-        from opkd_mcore.train.lm_head import hidden_rows, output_weight
 
         gpt = model.teacher[0]
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group(), trainable=False)
@@ -254,8 +250,6 @@ class MegatronEngine:
         iterators = [iter(list(zip(micro_batches, inputs))) for _ in self.model]
         model = self.model
         if with_teacher:
-            from opkd_mcore.train.teacher_in_step import paired_chunks
-
             model = paired_chunks(self.model, self.teacher, self.config)
         return get_forward_backward_func()(
             forward_step_func=self._forward_step_func(loss_fn),
@@ -299,8 +293,6 @@ class MegatronEngine:
         if self.moe_stats is not None:
             metrics.update(self.moe_stats.end_step())
         if metrics.get("teacher/nonfinite_rows", 0.0) > 0:
-            from opkd_mcore.teacher.base import MalformedTeacherOutputError
-
             raise MalformedTeacherOutputError(
                 f"teacher {self.teacher.name}: NaN in its logits for {metrics['teacher/nonfinite_rows']:.3g} "
                 "of the step's response tokens (fraction); no update applied")
@@ -362,14 +354,10 @@ class MegatronEngine:
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Model + optimizer + scheduler state as a Megatron distributed checkpoint (collective)."""
-        from opkd_mcore.train.engine_checkpoint import save_engine_checkpoint
-
         save_engine_checkpoint(self, ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """Restore what `save_checkpoint` wrote; any TP/PP layout may load it (collective)."""
-        from opkd_mcore.train.engine_checkpoint import load_engine_checkpoint
-
         load_engine_checkpoint(self, ckpt_dir)
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
@@ -381,7 +369,6 @@ def _vocab_sizes(model_chunks, mask_vocab_padding: bool) -> tuple[int | None, in
     """(real, padded) vocabulary sizes from the chunks' `ModelLayout`; (None, None) if unknown."""
     if not mask_vocab_padding:
         return None, None
-    from opkd_mcore.models.builder import layout_of
 
     try:
         layout = layout_of(model_chunks)

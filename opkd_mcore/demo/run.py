@@ -22,17 +22,32 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from opkd_mcore.config import TrainConfig, load_config
+from opkd_mcore.config.schema import OptimSection
 from opkd_mcore.data import ALPHABET, AdditionTask, encode_prompt
+from opkd_mcore.demo.evaluate import (
+    answer_ids,
+    hf_greedy_accuracy,
+    hf_heldout_kl,
+    plot_curves,
+    results_table,
+    vllm_greedy_accuracy,
+    write_eval_file,
+)
+from opkd_mcore.demo.sft import SftConfig, run_sft
+from opkd_mcore.launch import train
+from opkd_mcore.models import save_hf_checkpoint
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from opkd_mcore.platform.device import DEVICE_TYPES, is_cpu
-from opkd_mcore.train.sft import SftConfig
+from opkd_mcore.platform.parallel import destroy_parallel
+from opkd_mcore.train.components import build_student, init_distributed
 
 logger = logging.getLogger(__name__)
 def demo_config_path() -> str:
     """The demo's distillation config, `demo_cpu.yaml` beside this module (package data)."""
     from importlib.resources import files
 
-    return str(files("opkd_mcore.train").joinpath("demo_cpu.yaml"))
+    return str(files("opkd_mcore.demo").joinpath("demo_cpu.yaml"))
 
 
 @dataclass(kw_only=True)
@@ -91,19 +106,11 @@ def train_teacher(demo: DemoConfig, init_dir: str, out_dir: str, train: list[dic
     """Supervised teacher with the Megatron engine, exported to `out_dir` as an HF checkpoint."""
     from transformers import AutoTokenizer
 
-    from opkd_mcore.config import TrainConfig
-    from opkd_mcore.models import save_hf_checkpoint
-    from opkd_mcore.platform.parallel import destroy_parallel
-    from opkd_mcore.train.components import build_student, init_distributed
-    from opkd_mcore.train.demo_eval import answer_ids
-    from opkd_mcore.train.optim import OptimConfig
-    from opkd_mcore.train.sft import run_sft
-
     tok = AutoTokenizer.from_pretrained(init_dir)
     pairs = [(encode_prompt(tok, r["prompt"]), answer_ids(tok, r["answer"])) for r in train]
     init_distributed(TrainConfig())
     try:
-        optim = OptimConfig(lr=demo.teacher_lr, warmup_steps=min(50, demo.sft.steps // 4), clip_grad=1.0,
+        optim = OptimSection(lr=demo.teacher_lr, warmup_steps=min(50, demo.sft.steps // 4), clip_grad=1.0,
                             lr_decay_style="cosine", lr_decay_steps=demo.sft.steps,
                             min_lr=demo.teacher_lr / 10)
         engine, chunks = build_student(init_dir, optim)
@@ -146,9 +153,6 @@ def prune_mlp(teacher_dir: str, out_dir: str, neurons: int) -> str:
 
 def distill(cfg, held_out: list[dict], demo: DemoConfig) -> list[dict]:
     """`opkd train` on the demo config, with greedy held-out accuracy every `eval_every` steps."""
-    from opkd_mcore.train.demo_eval import vllm_greedy_accuracy
-    from opkd_mcore.train.entry import train
-
     answer_len = len(held_out[0]["answer"]) + 1
 
     def evaluate(run, step):
@@ -161,11 +165,6 @@ def distill(cfg, held_out: list[dict], demo: DemoConfig) -> list[dict]:
 
 
 def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = None) -> dict:
-    from opkd_mcore.config import load_config
-    from opkd_mcore.train.demo_eval import (
-        hf_greedy_accuracy, hf_heldout_kl, plot_curves, results_table, write_eval_file,
-    )
-
     start = time.perf_counter()
     out = os.path.abspath(out)
     paths = {name: os.path.join(out, name) for name in ("teacher_init", "teacher_hf", "student_init",

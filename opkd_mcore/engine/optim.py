@@ -10,68 +10,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, fields
 
 import torch
 
+from opkd_mcore.config.schema import OptimSection
+
 logger = logging.getLogger(__name__)
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
-
-
-@dataclass
-class OptimConfig:
-    """Optimizer + LR schedule of the student. Defaults work for the CPU demo."""
-
-    lr: float = 1e-5  # peak learning rate (reached after warmup)
-    min_lr: float = 0.0  # floor of the decay schedule
-    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
-    adam_beta1: float = 0.9  # Adam first-moment decay
-    adam_beta2: float = 0.999  # Adam second-moment decay
-    adam_eps: float = 1e-8  # Adam denominator epsilon
-    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
-    warmup_steps: int = 0  # linear warmup from 0 to `lr` over this many optimizer steps
-    lr_decay_steps: int | None = None  # steps until `min_lr`; None = no decay (constant after warmup)
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    use_distributed_optimizer: bool = False  # shard optimizer state over the data-parallel group
-    overlap_grad_reduce: bool = False  # overlap DP gradient reduction with backward (GPU only)
-    grad_reduce_in_fp32: bool = True  # reduce bf16 gradients in fp32 across DP
-
-    def validate(self) -> None:
-        # NaN passes every `<` check below and inf makes Adam's update NaN: reject both first
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"OptimConfig.{f.name}: expected a finite number, got {value}")
-        if not self.lr > 0:
-            raise ValueError(f"OptimConfig.lr: expected > 0, got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"OptimConfig.min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"OptimConfig.weight_decay: expected >= 0, got {self.weight_decay}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"OptimConfig.{name}: expected in [0, 1), got {getattr(self, name)}")
-        if self.adam_eps <= 0:
-            raise ValueError(f"OptimConfig.adam_eps: expected > 0, got {self.adam_eps}")
-        if self.clip_grad < 0:
-            raise ValueError(f"OptimConfig.clip_grad: expected >= 0 (0 = off), got {self.clip_grad}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"OptimConfig.warmup_steps: expected >= 0, got {self.warmup_steps}")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"OptimConfig.lr_decay_style: expected one of {LR_DECAY_STYLES}, "
-                             f"got {self.lr_decay_style!r}")
-        if self.lr_decay_steps is not None and self.lr_decay_steps <= 0:
-            raise ValueError(f"OptimConfig.lr_decay_steps: expected > 0 or None (no decay), "
-                             f"got {self.lr_decay_steps}")
-        if self.lr_decay_style != "constant":
-            if self.lr_decay_steps is None or self.lr_decay_steps <= self.warmup_steps:
-                raise ValueError(f"OptimConfig.lr_decay_steps: a {self.lr_decay_style!r} decay needs "
-                                 f"lr_decay_steps > warmup_steps={self.warmup_steps}, "
-                                 f"got {self.lr_decay_steps}")
-
-
-def megatron_optimizer_config(cfg: OptimConfig, params_dtype: torch.dtype):
+def megatron_optimizer_config(cfg: OptimSection, params_dtype: torch.dtype):
     """Megatron's `OptimizerConfig` for `cfg`. Clipping is off there: `clip_and_step` does it."""
     from megatron.core.optimizer import OptimizerConfig
 
@@ -83,7 +29,7 @@ def megatron_optimizer_config(cfg: OptimConfig, params_dtype: torch.dtype):
     )
 
 
-def ddp_config(cfg: OptimConfig):
+def ddp_config(cfg: OptimSection):
     """Megatron's DDP config for `cfg`."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -95,7 +41,7 @@ def ddp_config(cfg: OptimConfig):
     )
 
 
-def build_optimizer(model_chunks: list, cfg: OptimConfig, params_dtype: torch.dtype):
+def build_optimizer(model_chunks: list, cfg: OptimSection, params_dtype: torch.dtype):
     """Megatron optimizer + LR scheduler for DDP-wrapped `model_chunks`."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

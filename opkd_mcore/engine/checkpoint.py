@@ -10,6 +10,13 @@ import logging
 
 import torch
 
+from opkd_mcore.models.convert import (
+    load_mcore_model,
+    model_sharded_state_dict,
+    read_checkpoint_meta,
+    save_mcore_checkpoint,
+)
+
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_KEY = "optimizer"
@@ -30,8 +37,6 @@ def _optimizer_state(engine, model_state: dict, is_loading: bool) -> dict:
 
 def save_engine_checkpoint(engine, ckpt_dir: str) -> None:
     """Collective over all ranks. Forward-only engines save the model only."""
-    from opkd_mcore.models.convert import model_sharded_state_dict, save_mcore_checkpoint
-
     extra, contents = {}, ("model",)
     if engine.optimizer is not None:
         model_state = model_sharded_state_dict(engine.model)
@@ -45,9 +50,6 @@ def save_engine_checkpoint(engine, ckpt_dir: str) -> None:
 
 def load_engine_checkpoint(engine, ckpt_dir: str) -> None:
     """Collective. Restores the optimizer/scheduler too when both engine and checkpoint have them."""
-    from opkd_mcore.models.convert import (load_mcore_model, model_sharded_state_dict,
-                                           read_checkpoint_meta)
-
     meta = read_checkpoint_meta(ckpt_dir)
     with_optimizer = engine.optimizer is not None and "optimizer" in meta["contents"]
     extra = {}

@@ -12,6 +12,7 @@ import os
 import torch
 
 from opkd_mcore.data import encode_prompt, exact_match
+from opkd_mcore.rollout import SamplingConfig
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
@@ -51,8 +52,6 @@ def hf_greedy_accuracy(model_dir: str, records: list[dict], max_new_tokens: int)
 
 def vllm_greedy_accuracy(rollout, tokenizer, records: list[dict], max_new_tokens: int) -> float:
     """Exact-match accuracy of greedy decoding with the rollout engine (its current weights)."""
-    from opkd_mcore.rollout import SamplingConfig
-
     prompts = [encode_prompt(tokenizer, r["prompt"]) for r in records]
     samples = rollout.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_new_tokens=max_new_tokens))
     return sum(exact_match(_decode(tokenizer, s.response_ids), r["answer"])

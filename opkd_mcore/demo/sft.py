@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opkd_mcore.train.batch import PackedBatch, pack_sequences
+from opkd_mcore.engine.packing import PackedBatch, pack_sequences
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,1 @@
+"""`opkd demo`: synthetic tasks, the teacher's supervised training, evaluation and plots."""
