@@ -3,9 +3,9 @@
     python tools/bench_rollout.py --model /tmp/models/qwen3-0.6b [--prompts 32 --n 4 --max-new-tokens 256]
         [--modes inprocess,inprocess_sleep,ray_sleep] [--json out.json] [--results runs.jsonl]
 
-Why: on one H100 the Ray controller's colocated `sync` schedule spent 28.6 s per rollout where
-`opkd train` (the engine in the trainer's process) spent 7.6 s on the same batch (docs/benchmarks.md).
-This isolates the engine: the same `build_rollout` the trainer and the controller's rollout actors
+The engine alone, apart from the rest of a step: whether it generates slower inside the Ray
+controller's rollout actor than in the trainer's process, and what sleep mode or CUDA graphs
+(`--cuda-graphs`) cost. The same `build_rollout` the trainer and the controller's rollout actors
 use, the same seeded batch, timed per `generate` call (the first call of each mode warms up). The Ray
 mode reserves what the controller's colocated rollout actor reserves (`controller.cpus_per_worker`
 CPUs, a share of the device), and runs as a threaded actor as the controller's does.
