@@ -1,5 +1,6 @@
-"""The benchmark tools' own outputs on CPU: `bench_kernels.py --profile`, `bench_weight_sync.py`'s
-row and timeline, and `tools/gpu/step_table.py`."""
+"""The benchmark tools' own outputs on CPU: `tools/bench_common.py` (percentiles, run metadata, the
+results file), `bench_kernels.py --profile`, `bench_weight_sync.py`'s row and timeline, and
+`tools/gpu/step_table.py`."""
 from __future__ import annotations
 
 import json
@@ -8,22 +9,80 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests._dist import free_port
+from tools import bench_common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METADATA_KEYS = {"tool", "commit", "dirty", "device", "versions", "utc", "host", "argv"}
+
+
+def test_percentiles_of_a_known_sequence():
+    # 1..11 in any order: ranks 0..10, so p20 / p50 / p80 fall exactly on 3, 6 and 9
+    got = bench_common.percentiles([7, 1, 11, 3, 5, 9, 2, 10, 4, 8, 6])
+    assert got == {"p20": 3.0, "p50": 6.0, "p80": 9.0}
+    # between ranks the value is interpolated, and a single sample is every percentile
+    assert bench_common.percentiles([0.0, 10.0]) == {"p20": 2.0, "p50": 5.0, "p80": 8.0}
+    assert bench_common.percentiles([4.5]) == {"p20": 4.5, "p50": 4.5, "p80": 4.5}
+    with pytest.raises(ValueError):
+        bench_common.percentiles([])
+
+
+def test_time_it_times_only_the_repeats_and_runs_the_hooks_around_every_call():
+    calls, events = [], []
+    seconds = iter([0.5, 0.1, 0.3, 0.2, 0.4])  # a fake timer: one value per timed call
+
+    def timer(fn, synchronize):
+        fn()
+        synchronize()
+        return next(seconds)
+
+    timing = bench_common.time_it(lambda: calls.append(len(calls)), warmup=2, repeats=5,
+                                  synchronize=lambda: events.append("sync"),
+                                  before_each=lambda: events.append("before"),
+                                  after_each=lambda: events.append("after"), timer=timer)
+    assert calls == list(range(7))
+    assert events == ["before", "sync", "after"] * 7
+    assert timing.samples == [0.5, 0.1, 0.3, 0.2, 0.4]
+    assert (timing.p20, timing.p50, timing.p80) == pytest.approx((0.18, 0.3, 0.42))
+    assert timing.row("step_ms", scale=1e3) == {"step_ms": 300.0, "step_ms_p20": 180.0, "step_ms_p80": 420.0}
+
+
+def test_run_metadata_and_a_results_row_read_back(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("OPKD_GIT_COMMIT", raising=False)
+    meta = bench_common.run_metadata(device="test device", tp=2)
+    assert METADATA_KEYS <= set(meta) and meta["tp"] == 2 and meta["device"] == "test device"
+    if os.path.exists(os.path.join(ROOT, ".git")):  # a source copy without git history has no commit
+        assert meta["commit"] and isinstance(meta["dirty"], bool)
+    assert meta["versions"]["torch"] == torch.__version__
+    assert meta["utc"].endswith("+00:00")
+    monkeypatch.setenv("OPKD_GIT_COMMIT", "abc1234-dirty")  # a copy of the tree without .git
+    assert bench_common.git_commit() == {"commit": "abc1234", "dirty": True}
+
+    path = tmp_path / "runs.jsonl"
+    rows = [{"method": "fused", "ms": 1.5}, {"method": "reference", "ms": 12.0}]
+    bench_common.record(str(path), meta, rows)
+    bench_common.record(str(path), meta, rows[:1], table=False)
+    first, second = bench_common.read_results(str(path))
+    assert {k: first[k] for k in meta} == json.loads(json.dumps(meta))
+    assert first["results"] == rows and second["results"] == rows[:1]
+    out = capsys.readouterr().out
+    assert "test device" in out and "| method | ms |" in out and "| reference | 12 |" in out
 
 
 def test_bench_kernels_profile_writes_the_kernel_table(tmp_path):
-    out, prefix = tmp_path / "bench.json", tmp_path / "prof"
+    out, prefix, results = tmp_path / "bench.json", tmp_path / "prof", tmp_path / "runs.jsonl"
     env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "tools/bench_kernels.py", "--device", "cpu", "--shapes", "32x200",
                            "--objectives", "topk64", "--methods", "fused", "--repeats", "1", "--warmup", "0",
-                           "--out", str(out), "--profile", str(prefix)],
+                           "--out", str(out), "--profile", str(prefix), "--results", str(results)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["method"] == "fused" and row["ms"] > 0
+    assert row["method"] == "fused" and row["ms_p20"] <= row["ms"] <= row["ms_p80"]
+    (run,) = bench_common.read_results(str(results))
+    assert METADATA_KEYS <= set(run) and run["device"].startswith("cpu") and run["results"] == [row]
     table = (tmp_path / "prof_topk64_tp1.txt").read_text()
     assert "FusedKdLoss" in table and "# of Calls" in table
 
@@ -39,6 +98,7 @@ def test_bench_weight_sync_row_verifies_the_copy_and_orders_both_ends_marks(tmp_
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(out.read_text())
     assert row["receiver_verified"] and row["buckets"] > 1 and row["sync_s"] > 0 and row["raw_s"] > 0
+    assert METADATA_KEYS <= set(row["meta"]) and row["sync_s_p20"] <= row["sync_s"] <= row["sync_s_p80"]
     at = row["timeline"]
     assert at["at_send_start_ms"] == 0.0
     order = list(at)

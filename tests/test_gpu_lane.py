@@ -1,11 +1,16 @@
 """The GPU lane's split steps (tools/gpu/lane.sh tests_x4 / tests_x2) must select, together, every test
-of the whole GPU suite (`lane.sh tests`): a test left out of every part never runs on a GPU."""
+of the whole GPU suite (`lane.sh tests`): a test left out of every part never runs on a GPU.
+
+This checks the runbook of the lent GPU machine, not the product: it is not in the default run
+(`pytest -m runbook` runs it, ~45 s; tools/gpu/README.md)."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = [pytest.mark.runbook, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"tests_x4": "abc", "tests_x2": "abcdef"}

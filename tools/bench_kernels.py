@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
-import time
-from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common (`opkd bench` runs us by path)
 
+from bench_common import add_results_argument, device_name, record, run_metadata, time_it  # noqa: E402
 from opkd_kernels.fused_kd import KdSpec, fused_kd_loss  # noqa: E402
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, kd_loss  # noqa: E402
 
@@ -53,15 +51,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="4096x128256,16384x151936", help="NxV list (V = full vocabulary)")
     p.add_argument("--objectives", default="forward_kl,jsd,topk256", help=f"from {list(OBJECTIVES)}")
-    p.add_argument("--methods", default="fused,reference,compiled,liger_jsd,megatron_ce", help="columns to run")
+    p.add_argument("--methods", default="fused,reference,compiled,liger_jsd,megatron_ce",
+                   help="columns to run")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="logits dtype")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs per cell (median reported)")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs per cell (p20 / p50 / p80 reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per cell")
     p.add_argument("--rounds", type=int, default=1,
                    help="lm_head: sweep the methods this many times, round robin, and report each "
                         "method's median over the rounds (a GPU that heats up makes later columns slower)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="cpu = C++ twin")
     p.add_argument("--out", default=None, help="write the JSON here")
+    add_results_argument(p)
     p.add_argument("--profile", default=None,
                    help="logits mode: torch.profiler's kernel table of the fused method, written to "
                         "PREFIX_<objective>_tp<TP>.txt")
@@ -118,26 +118,22 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _cuda_events(fn, synchronize) -> float:
+    """Seconds of one call by CUDA events: the host's clock would add launch latency to short kernels."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def timed(fn, device, repeats, warmup, group):
-    """(median ms, peak extra bytes) of fn(); max over TP ranks."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if dist.get_world_size(group) > 1:
-            dist.barrier(group=group)
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+    """({"p20", "p50", "p80"} ms, peak extra bytes) of fn(); max over TP ranks (the slowest rank is the
+    call's time)."""
+    barrier = (lambda: dist.barrier(group=group)) if dist.get_world_size(group) > 1 else None
+    timing = time_it(fn, warmup, repeats, lambda: _sync(device), before_each=barrier,
+                     timer=_cuda_events if device == "cuda" else None)
     peak = 0
     if device == "cuda":
         torch.cuda.synchronize()
@@ -146,11 +142,12 @@ def timed(fn, device, repeats, warmup, group):
         fn()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-    stats = torch.tensor([statistics.median(times), float(peak)], dtype=torch.float64,
-                         device=device if device == "cuda" else "cpu")
+    stats = torch.tensor([timing.p20 * 1e3, timing.p50 * 1e3, timing.p80 * 1e3, float(peak)],
+                         dtype=torch.float64, device=device if device == "cuda" else "cpu")
     if dist.get_world_size(group) > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
-    return stats[0].item(), int(stats[1].item())
+    p20, p50, p80, peak = stats.tolist()
+    return {"p20": p20, "p50": p50, "p80": p80}, int(peak)
 
 
 def profile_table(fn, path, rank, device, iters=3):
@@ -172,7 +169,7 @@ def copy_bandwidth(z, device, repeats, group):
     """GB/s of a device copy of a logits-sized buffer (bytes read + written)."""
     dst = torch.empty_like(z)
     ms, _ = timed(lambda: dst.copy_(z), device, repeats, 2, group)
-    return 2 * z.numel() * z.element_size() / ms / 1e6
+    return 2 * z.numel() * z.element_size() / ms["p50"] / 1e6
 
 
 # ---------------------------------------------------------------- the methods
@@ -189,7 +186,8 @@ def method_fused(z, teacher, obj, group, device):
 
     def run():
         loss = fused_kd_loss(leaf, teacher.logits if dense else None, None if dense else teacher.ids,
-                             None if dense else teacher.logprobs, spec=spec, tp_group=group, inplace_grad=True)
+                             None if dense else teacher.logprobs, spec=spec, tp_group=group,
+                             inplace_grad=True)
         return torch.autograd.grad(loss.sum(), leaf)
     return run
 
@@ -283,11 +281,13 @@ def bench_cell(n, vocab, name, args, group, rank, tp, device):
             run = METHODS[method](z, teacher, obj, group, device)
             if run is None:
                 continue
-            ms, peak = timed(run, device, args.repeats, args.warmup, group)
+            pct, peak = timed(run, device, args.repeats, args.warmup, group)
             if args.profile and method == "fused":
                 profile_table(run, f"{args.profile}_{name}_tp{tp}.txt", rank, device)
+            ms = pct["p50"]
             gbps = moved / ms / 1e6
-            row.update(ms=ms, gbps=gbps, pct_copy=100 * gbps / copy_gbps, peak_extra_bytes=peak,
+            row.update(ms=ms, ms_p20=pct["p20"], ms_p80=pct["p80"], gbps=gbps,
+                       pct_copy=100 * gbps / copy_gbps, peak_extra_bytes=peak,
                        peak_extra_pct_of_logits=100 * peak / logits_bytes)
         except torch.cuda.OutOfMemoryError:
             row.update(error="OOM")
@@ -303,7 +303,8 @@ def bench_cell(n, vocab, name, args, group, rank, tp, device):
 
 
 def print_table(rows):
-    head = f"{'N x V':>16} {'tp':>2} {'objective':>13} {'method':>12} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'extra mem':>12}"
+    head = (f"{'N x V':>16} {'tp':>2} {'objective':>13} {'method':>12} {'ms':>9} {'p20-p80 ms':>15} "
+            f"{'GB/s':>7} {'%copy':>6} {'extra mem':>12}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -312,7 +313,8 @@ def print_table(rows):
             print(f"{shape:>16} {r['tp']:>2} {r['objective']:>13} {r['method']:>12} {r['error']}")
             continue
         mem = f"{r['peak_extra_bytes'] / 2**30:.2f} GiB ({r['peak_extra_pct_of_logits']:.0f}%)"
-        print(f"{shape:>16} {r['tp']:>2} {r['objective']:>13} {r['method']:>12} {r['ms']:9.3f} "
+        spread = f"{r['ms_p20']:.3f}-{r['ms_p80']:.3f}"
+        print(f"{shape:>16} {r['tp']:>2} {r['objective']:>13} {r['method']:>12} {r['ms']:9.3f} {spread:>15} "
               f"{r['gbps']:7.0f} {r['pct_copy']:6.1f} {mem:>12}")
 
 
@@ -335,9 +337,8 @@ def main(argv=None):
                 rows += bench_cell(n, vocab, name, args, group, rank, tp, device)
     if rank == 0:
         (print_lm_head_table if args.mode == "lm_head" else print_table)(rows)
-        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
-                    device=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-                    tp=tp, mode=args.mode, argv=sys.argv[1:])
+        meta = run_metadata(device=device_name(device), tp=tp, mode=args.mode)
+        record(args.results, meta, rows, table=False)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -1,7 +1,7 @@
 """The fused LM-head mode of tools/bench_kernels.py: output layer + KD loss, forward + backward.
 
 Per shape (N tokens, H hidden, V vocabulary; this rank holds V/TP rows of each output weight) and
-objective, all in one run, median ms and peak extra memory of
+objective, all in one run, p20 / p50 / p80 ms and peak extra memory of
     gemm_rate  one bf16 GEMM [N, H] x [H, V/TP]: the device's rate for these shapes (TFLOP/s)
     gemms      the GEMMs alone: student logits, teacher logits (dense), dh = G W, dW = G^T h
     fused      opkd_kernels.fused_linear_kd (Triton tiles), gradients of h and W
@@ -24,10 +24,9 @@ the bf16 gradients of h and W every method returns (`beyond grads` subtracts the
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.distributed as dist
+from bench_common import percentiles  # tools/ is on the path: bench_kernels.py imports this module
 from opkd_kernels.fused_kd import KdSpec, fused_kd_loss
 from opkd_kernels.fused_linear_kd import fused_linear_kd_loss
 
@@ -132,7 +131,8 @@ def m_rows(chunk_rows: int | None):
 
         def run():
             scalar = rows_linear_kd_loss(hl, wl, *(dense or (None, None)), *(topk or (None, None)),
-                                         row_weights=weights, spec=spec, tp_group=group, chunk_rows=chunk_rows)[0]
+                                         row_weights=weights, spec=spec, tp_group=group,
+                                         chunk_rows=chunk_rows)[0]
             return torch.autograd.grad(scalar, (hl, wl))
         return run, 2 * h.shape[0] * w.shape[0] * (3 * h.shape[1] + (dense[0].shape[1] if dense else 0))
     return make
@@ -239,7 +239,8 @@ def _time_method(made, timed, args, group) -> tuple[float, int] | str:
 def bench_lm_head_cell(n, hidden, vocab, name, args, group, rank, tp, timed):
     """One row per method. With `--rounds R` the methods are timed round robin R times (GEMMs,
     then each method, then GEMMs again...), so a device that slows as it heats up slows every
-    column alike; a row's ms is the median over the rounds, `ms_rounds` keeps each round's."""
+    column alike; a row's ms (p20, p80) are the percentiles of the rounds' medians, `ms_rounds` keeps
+    each round's; with one round, of that round's repeats."""
     obj = LM_HEAD_OBJECTIVES[name]
     dtype = getattr(torch, args.dtype)
     h, w, dense, topk = make_lm_head_inputs(n, hidden, vocab, tp, rank, dtype, obj)
@@ -258,9 +259,12 @@ def bench_lm_head_cell(n, hidden, vocab, name, args, group, rank, tp, timed):
         if errors:
             rows.append({**row, "error": errors[0]})
             continue
-        ms, peak = statistics.median(g[0] for g in got), got[0][1]
+        rounds = [g[0]["p50"] for g in got]
+        pct = percentiles(rounds) if len(rounds) > 1 else got[0][0]
+        ms, peak = pct["p50"], got[0][1]
         flops = made[method][1]
-        row.update(ms=ms, ms_rounds=[g[0] for g in got], peak_extra_bytes=peak, logits_bytes=logits_bytes)
+        row.update(ms=ms, ms_p20=pct["p20"], ms_p80=pct["p80"], ms_rounds=rounds, peak_extra_bytes=peak,
+                   logits_bytes=logits_bytes)
         if method == "gemm_rate":
             rate = flops / ms / 1e9
             row.update(tflops=rate)
@@ -291,4 +295,5 @@ def print_lm_head_table(rows):
         beyond = f"{r['beyond_grads_bytes'] / 2**30:.2f}" if "beyond_grads_bytes" in r else ""
         print(f"{shape:>20} {r['tp']:>2} {r['objective']:>10} {r['method']:>9} {r['ms']:8.1f} "
               f"{r.get('x_gemms', float('nan')):7.2f} {r.get('tflops', float('nan')):8.0f} "
-              f"{r.get('matmul_pct_of_rate', float('nan')):7.1f} {r['peak_extra_bytes'] / 2**30:9.2f} {beyond:>12}")
+              f"{r.get('matmul_pct_of_rate', float('nan')):7.1f} {r['peak_extra_bytes'] / 2**30:9.2f} "
+              f"{beyond:>12}")

@@ -6,7 +6,8 @@ Launch with torchrun, one process per GPU (TP = number of processes by default):
 
     torchrun --nproc-per-node 2 tools/bench_models.py --out bench_models.json
 
-Prints a table on rank 0 and writes the numbers as JSON.
+Prints a table on rank 0 and writes the numbers as JSON (`--out`; `--results FILE` appends a row with
+the run's metadata, tools/bench_common.py).
 
 `--moe`: a Qwen3-30B-A3B-shaped MoE student (hidden 2048, 32 heads / 4 KV heads of dim 128, 128
 experts of FFN 768, top-8, vocab 151936) with fewer layers (`--layers`, default 8), its experts
@@ -22,11 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_models_moe
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_models_moe, bench_common
+
+from bench_common import add_results_argument, record, run_metadata, time_it  # noqa: E402
 
 
 def parse_args():
@@ -44,6 +45,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size)")
     p.add_argument("--out", default=None, help="JSON output path (rank 0)")
+    add_results_argument(p)
     p.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B-shaped MoE student (see above)")
     p.add_argument("--ep", type=int, default=None, help="--moe: expert-parallel size (default: world size)")
     p.add_argument("--experts", type=int, default=128, help="--moe: routed experts")
@@ -96,39 +98,35 @@ def main():
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     pos = torch.arange(args.seq, device=device).unsqueeze(0).expand_as(inputs)
 
+    losses = []
+
     def step():
         logits = model(input_ids=inputs, position_ids=pos, attention_mask=None)  # [b, s, V/tp]
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
         loss.backward()
-        return loss
+        losses.append(loss)
 
     on_gpu = torch.cuda.is_available()
-    times = []
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    for i in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
+    timing = time_it(step, args.warmup, args.steps, torch.cuda.synchronize if on_gpu else None,
+                     after_each=lambda: model.zero_grad(set_to_none=True))
     peak = torch.tensor([_peak_memory_gib(on_gpu)], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    step_s = statistics.median(times)
     result = dict(
         device=torch.cuda.get_device_name() if on_gpu else "cpu", world_size=dist.get_world_size(),
         tp=args.tp or dist.get_world_size(),
         params_billion=round(num_params / 1e9, 3), seq=args.seq, micro_batch=args.micro_batch,
-        dtype=str(model.config.params_dtype).replace("torch.", ""), step_ms_median=round(step_s * 1e3, 1),
-        step_ms_min=round(min(times) * 1e3, 1), tokens_per_s=round(args.seq * args.micro_batch / step_s),
-        peak_mem_gib_max_rank=round(peak.item(), 2), loss=round(loss.item(), 3),
-        torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        dtype=str(model.config.params_dtype).replace("torch.", ""),
+        step_ms_median=round(timing.p50 * 1e3, 1), step_ms_p20=round(timing.p20 * 1e3, 1),
+        step_ms_p80=round(timing.p80 * 1e3, 1), step_ms_min=round(min(timing.samples) * 1e3, 1),
+        tokens_per_s=round(args.seq * args.micro_batch / timing.p50),
+        peak_mem_gib_max_rank=round(peak.item(), 2), loss=round(losses[-1].item(), 3),
     )
     if dist.get_rank() == 0:
-        for key, value in result.items():
-            print(f"{key:>24}  {value}")
+        meta = run_metadata(device=result["device"])
+        result["meta"] = meta
+        record(args.results, meta, [{k: v for k, v in result.items() if k != "meta"}])
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
+
+from bench_common import record, run_metadata, time_it  # tools/ is on the path: bench_models.py runs this
 
 
 def _peak_memory_gib(on_gpu: bool) -> float:
@@ -69,32 +69,31 @@ def run_moe(args) -> None:
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    times, metrics = [], {}
-    for i in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        metrics = engine.train_step(batches, loss_fn)
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    metrics = {}
+
+    def step():
+        metrics.update(engine.train_step(batches, loss_fn))
+
+    timing = time_it(step, args.warmup, args.steps, torch.cuda.synchronize if on_gpu else None)
     peak = torch.tensor([_peak_memory_gib(on_gpu)], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    step_s = statistics.median(times)
     tokens = args.seq * args.micro_batch * dp
     result = dict(
         device=torch.cuda.get_device_name() if on_gpu else "cpu", world_size=dist.get_world_size(),
         tp=args.tp or 1, ep=ep, experts=args.experts, topk=args.topk, layers=args.layers,
         params_billion=round(num_params / 1e9, 3), params_per_rank_billion=round(local_params / 1e9, 3),
         seq=args.seq, micro_batches_per_rank=args.micro_batch, tokens_per_step=tokens,
-        dtype=str(engine.params_dtype).replace("torch.", ""), step_ms_median=round(step_s * 1e3, 1),
-        step_ms_min=round(min(times) * 1e3, 1), tokens_per_s=round(tokens / step_s),
+        dtype=str(engine.params_dtype).replace("torch.", ""),
+        step_ms_median=round(timing.p50 * 1e3, 1), step_ms_p20=round(timing.p20 * 1e3, 1),
+        step_ms_p80=round(timing.p80 * 1e3, 1), step_ms_min=round(min(timing.samples) * 1e3, 1),
+        tokens_per_s=round(tokens / timing.p50),
         peak_mem_gib_max_rank=round(peak.item(), 2), loss=round(metrics["train/loss"], 4),
         **{k: round(v, 4) for k, v in metrics.items() if k.startswith("moe/")},
-        torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
     if dist.get_rank() == 0:
-        for key, value in result.items():
-            print(f"{key:>24}  {value}")
+        meta = run_metadata(device=result["device"])
+        result["meta"] = meta
+        record(args.results, meta, [{k: v for k, v in result.items() if k != "meta"}])
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)

@@ -1,11 +1,11 @@
 """Rollout generate time of one vLLM engine: in this process vs inside a Ray actor, sleep mode off/on.
 
     python tools/bench_rollout.py --model /tmp/models/qwen3-0.6b [--prompts 32 --n 4 --max-new-tokens 256]
-        [--modes inprocess,inprocess_sleep,ray_sleep] [--json out.json]
+        [--modes inprocess,inprocess_sleep,ray_sleep] [--json out.json] [--results runs.jsonl]
 
-Why: on one H100 the Ray controller's colocated `sync` schedule spent 28.6 s per rollout where
-`opkd train` (the engine in the trainer's process) spent 7.6 s on the same batch (docs/benchmarks.md).
-This isolates the engine: the same `build_rollout` the trainer and the controller's rollout actors
+The engine alone, apart from the rest of a step: whether it generates slower inside the Ray
+controller's rollout actor than in the trainer's process, and what sleep mode or CUDA graphs
+(`--cuda-graphs`) cost. The same `build_rollout` the trainer and the controller's rollout actors
 use, the same seeded batch, timed per `generate` call (the first call of each mode warms up). The Ray
 mode reserves what the controller's colocated rollout actor reserves (`controller.cpus_per_worker`
 CPUs, a share of the device), and runs as a threaded actor as the controller's does.
@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, beside this file
+
+from bench_common import add_results_argument, percentiles, record, run_metadata  # noqa: E402
 
 MODES = ("inprocess", "inprocess_sleep", "ray_sleep")
 
@@ -34,12 +37,15 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graphs", action="store_true",
                    help="capture CUDA graphs (rollout.enforce_eager=false); default: eager, as configured")
     p.add_argument("--json", help="write the results here")
+    add_results_argument(p)
     return p.parse_args(argv)
 
 
 def generate_times(model: str, sleep: bool, prompts: int, n: int, max_new: int, calls: int,
                    memory: float, eager: bool = True) -> dict:
-    """Seconds of each `generate` call of one engine (a sleep/wake cycle before the last when `sleep`)."""
+    """Seconds of each `generate` call of one engine (a sleep/wake cycle before the last when `sleep`).
+    Timed by hand, not by `bench_common.time_it`: this runs inside a Ray actor too, whose worker process
+    cannot import modules from tools/ (the driver reduces the seconds to percentiles)."""
     import torch
     from transformers import AutoConfig
 
@@ -103,16 +109,20 @@ def main(argv=None) -> int:
         results[mode] = (in_ray_actor(run_args, args.gpu_memory_utilization) if mode.startswith("ray")
                          else generate_times(*run_args))
         print(f"{mode}: seconds per call {results[mode]['seconds']}", flush=True)
-    print("| mode | tokens per call | first call s | later calls s (median) | tokens/s | OMP threads |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    rows = []
     for mode, r in results.items():
-        later = statistics.median(r["seconds"][1:] or r["seconds"])
-        print(f"| {mode} | {r['tokens']} | {r['seconds'][0]:.2f} | {later:.2f} | {r['tokens'] / later:.0f} | "
-              f"{r['omp_num_threads']} / {r['torch_threads']} |")
+        later = percentiles(r["seconds"][1:] or r["seconds"])  # the first call warms the engine up
+        r.update(later_s=later["p50"], later_s_p20=later["p20"], later_s_p80=later["p80"])
+        rows.append({"mode": mode, "tokens per call": r["tokens"], "first call s": round(r["seconds"][0], 2),
+                     "later calls s (p50)": round(later["p50"], 2),
+                     "p20-p80 s": f"{later['p20']:.2f}-{later['p80']:.2f}",
+                     "tokens/s": round(r["tokens"] / later["p50"]),
+                     "OMP threads": f"{r['omp_num_threads']} / {r['torch_threads']}"})
+    meta = run_metadata()
+    record(args.results, meta, rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bench": "rollout", "results": results, "args": vars(args), "host": platform.node(),
-                       "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=2)
+            json.dump({"bench": "rollout", "results": results, "args": vars(args), "meta": meta}, f, indent=2)
     return 0
 
 

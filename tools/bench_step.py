@@ -1,14 +1,15 @@
 """Step time of the four schedules on one workload, side by side: sync, one_step_off, two_step_off, async.
 
     python tools/bench_step.py [--steps 8] [--prompts 8] [--n 2] [--max-new-tokens 32] [--json out.json]
+        [--results runs.jsonl]
     opkd bench step --student DIR --teacher DIR --engines 1 --teachers-with-rollout   (a GPU box)
 
 One Ray cluster and one set of actors (trainer ranks, rollout engines, teacher) serve every schedule:
 each run starts from the same initial student (`RayController(groups=...)` resets the trainer), so
 only the schedule differs. Printed per schedule: medians over the steps after the first (the first
-warms the engines up) of the step time, of each stage (rollout / teacher per engine or teacher
-actor, train, weight sync), their sum, `perf/overlap` = 1 - step / sum, the waits, and the largest
-staleness. An overlapped schedule shows a step shorter than the sum of its stages.
+warms the engines up; the step time's p20 / p80 too) of the step time, of each stage (rollout /
+teacher per engine or teacher actor, train, weight sync), their sum, `perf/overlap` = 1 - step / sum,
+the waits, and the largest staleness. An overlapped schedule shows a step shorter than the sum of its stages.
 
 Without --student/--teacher it builds tiny random models (a CPU run, the defaults); with them it uses
 those checkpoints. This script simplifies nothing in the controller: it is `opkd train` with
@@ -18,11 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import platform
-import statistics
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, beside this file
+
+from bench_common import add_results_argument, percentiles, record, run_metadata  # noqa: E402
 
 SCHEDULES = ("sync", "one_step_off", "two_step_off", "async")
 COLUMNS = (("step", "timing/step"), ("rollout", "timing/rollout"), ("teacher", "timing/teacher"),
@@ -55,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--schedules", default=",".join(SCHEDULES),
                    help="comma-separated run.schedule values (colocated placement admits only sync)")
     p.add_argument("--json", help="write the results here")
+    add_results_argument(p)
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides")
     return p.parse_args(argv)
 
@@ -72,7 +78,8 @@ def tiny_models(root: str, hidden: int, layers: int) -> tuple[str, str]:
 
 def config_overrides(args, student: str, teacher: str, out: str) -> list[str]:
     return [
-        f"model.student={student}", f"model.params_dtype={args.params_dtype}", f"teacher.teachers.0.model={teacher}",
+        f"model.student={student}", f"model.params_dtype={args.params_dtype}",
+        f"teacher.teachers.0.model={teacher}",
         f"teacher.teachers.0.backend={args.teacher_backend}", "teacher.teachers.0.top_k=8",
         "loss.support=teacher", f"parallel.tp={args.tp}", f"parallel.micro_batch_size={args.micro_batch}",
         f"parallel.global_batch_size={args.prompts * args.n}", f"rollout.prompts_per_step={args.prompts}",
@@ -87,11 +94,18 @@ def config_overrides(args, student: str, teacher: str, out: str) -> list[str]:
         f"run.max_staleness={args.max_staleness}", *args.overrides]
 
 
+def _median(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return percentiles(values)["p50"] if values else math.nan
+
+
 def summarize(history: list[dict]) -> dict:
     rows = history[1:] or history  # the first step warms the engines up
-    out = {name: statistics.median(r.get(key, float("nan")) for r in rows) for name, key in COLUMNS}
+    out = {name: _median(rows, key) for name, key in COLUMNS}
+    step = percentiles(r["timing/step"] for r in rows)
+    out.update(step_p20=step["p20"], step_p80=step["p80"])
     out["sum_of_stages"] = out["rollout"] + out["teacher"] + out["train"] + out["sync"]
-    out["overlap"] = statistics.median(r["perf/overlap"] for r in rows)
+    out["overlap"] = _median(rows, "perf/overlap")
     out["staleness_max"] = max(r["async/staleness_max"] for r in history)
     out["dropped"] = sum(r["async/dropped"] for r in history)
     out["loss_last"] = history[-1]["train/loss"]
@@ -100,14 +114,12 @@ def summarize(history: list[dict]) -> dict:
     return out
 
 
-def _write_json(args, results: dict, startup_s: float) -> None:
+def _write_json(args, results: dict, startup_s: float, meta: dict) -> None:
     if not args.json:
         return
-    record = {"bench": "step", "results": results, "args": vars(args), "startup_s": startup_s,
-              "host": platform.node(), "processor": platform.processor() or platform.machine(),
-              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    out = {"bench": "step", "results": results, "args": vars(args), "startup_s": startup_s, "meta": meta}
     with open(args.json, "w") as f:
-        json.dump(record, f, indent=2)
+        json.dump(out, f, indent=2)
 
 
 def main(argv=None) -> int:
@@ -131,7 +143,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
              num_cpus=max(os.cpu_count() or 1, int(cpus_needed(cfg, launch_world_size(cfg)) + 1)))
-    results = {}
+    results, meta = {}, run_metadata()
     header = ["schedule", *[n for n, _ in COLUMNS], "sum_of_stages", "overlap", "staleness_max", "dropped"]
     print(" | ".join(f"{h:>13}" for h in header), flush=True)
     try:
@@ -147,10 +159,13 @@ def main(argv=None) -> int:
             cells = [schedule] + [f"{r[h]:.3f}" for h in header[1:-2]] + [f"{r['staleness_max']:.0f}",
                                                                            f"{r['dropped']:.0f}"]
             print(" | ".join(f"{c:>13}" for c in cells), flush=True)
-            _write_json(args, results, startup_s)
+            _write_json(args, results, startup_s, meta)
         groups.shutdown()
     finally:
         ray.shutdown()
+    summary = [{"schedule": name, **{k: v for k, v in r.items() if k != "per_step"}}
+               for name, r in results.items()]
+    record(args.results, {**meta, "startup_s": startup_s}, summary, table=False)
     return 0
 
 

@@ -10,6 +10,7 @@ caching off, exactly as `opkd teacher-serve` does. `--hidden` adds a second serv
 trainer holding the output weight), measured the same way: bytes per token 2 x hidden size.
 
     python tools/bench_teacher.py [--model DIR] [--ks 20,64,256] [--hidden] [--out bench_teacher.json]
+        [--results runs.jsonl]
 
 Without `--model`, a random tiny Qwen3 checkpoint (vocab 1024, head_dim 64) is made in a temp dir.
 """
@@ -18,13 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform as host_platform
 import random
 import socket
+import sys
 import tempfile
-import time
 
 from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, beside this file
+
+from bench_common import add_results_argument, record, run_metadata, time_it  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,14 +37,17 @@ def parse_args(argv=None):
     p.add_argument("--ks", default="20,64,256", help="comma-separated top-k values")
     p.add_argument("--num-seqs", type=int, default=32, help="sequences per scoring call")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per configuration (after 1 warm-up)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed calls per configuration (after 1 warm-up; p20 / p50 / p80 reported)")
     p.add_argument("--batch-size", type=int, default=8, help="remote: sequences per HTTP request")
     p.add_argument("--concurrency", type=int, default=4, help="remote: HTTP requests in flight")
     p.add_argument("--timeout-s", type=float, default=900, help="remote: per-request timeout")
     p.add_argument("--skip-inprocess", action="store_true", help="only the remote path")
     p.add_argument("--skip-remote", action="store_true", help="only the in-process path")
-    p.add_argument("--hidden", action="store_true", help="remote: also a hidden-state server (exact dense KD)")
+    p.add_argument("--hidden", action="store_true",
+                   help="remote: also a hidden-state server (exact dense KD)")
     p.add_argument("--out", default="bench_teacher.json", help="JSON results file")
+    add_results_argument(p)
     return p.parse_args(argv)
 
 
@@ -56,15 +63,9 @@ def make_sequences(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+def timed(fn, repeats: int) -> dict:
+    """`seconds` (the median), `seconds_p20`, `seconds_p80` of `repeats` calls after one warm-up call."""
+    return time_it(fn, warmup=1, repeats=repeats).row("seconds", digits=6)
 
 
 def bench_inprocess(model_dir, seqs, ks, repeats) -> list[dict]:
@@ -78,8 +79,8 @@ def bench_inprocess(model_dir, seqs, ks, repeats) -> list[dict]:
     rows = []
     for k in tqdm(ks, desc="in-process"):
         teacher = VllmTeacher(llm, VllmTeacherConfig(k=k))
-        seconds = timed(lambda: teacher.score(seqs), repeats)
-        rows.append({"path": "in-process", "k": k, "seconds": seconds, "tokens_per_s": tokens / seconds})
+        t = timed(lambda: teacher.score(seqs), repeats)
+        rows.append({"path": "in-process", "k": k, **t, "tokens_per_s": tokens / t["seconds"]})
         print(json.dumps(rows[-1]), flush=True)  # partial results survive an interrupted run
     llm.llm_engine.engine_core.shutdown()
     return rows
@@ -108,11 +109,11 @@ def bench_remote(model_dir, seqs, ks, repeats, batch_size, concurrency, timeout_
                 timeout_s=timeout_s, max_retries=0, output=output))
             client.score(seqs[:1])  # server check + warm-up, not counted
             before = client.stats["wire_bytes"]
-            seconds = timed(lambda: client.score(seqs), repeats)
+            t = timed(lambda: client.score(seqs), repeats)
             s = client.stats
             client_s = s["http_s"] + s["json_decode_s"] + s["parse_s"]
-            rows.append({"path": "remote" if output == "topk" else "remote-hidden", "k": k, "seconds": seconds,
-                         "tokens_per_s": tokens / seconds,
+            rows.append({"path": "remote" if output == "topk" else "remote-hidden", "k": k, **t,
+                         "tokens_per_s": tokens / t["seconds"],
                          "bytes_per_token": (s["wire_bytes"] - before) / (tokens * (repeats + 1)),
                          "json_decode_share": s["json_decode_s"] / client_s,
                          "rows_to_tensors_share": s["parse_s"] / client_s})
@@ -139,9 +140,8 @@ def main(argv=None) -> int:
             if args.hidden:
                 rows += bench_remote(model_dir, seqs, ks, args.repeats, args.batch_size, args.concurrency,
                                      args.timeout_s, os.path.join(tmp, "server_hidden.log"), output="hidden")
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": host_platform.node(),
-            "cpus": os.cpu_count(), "num_seqs": args.num_seqs, "seq_len": args.seq_len,
-            "vocab": vocab, "model": args.model or "tiny qwen3 (vocab 1024, hidden 256, 2 layers)"}
+    meta = run_metadata(cpus=os.cpu_count(), num_seqs=args.num_seqs, seq_len=args.seq_len, vocab=vocab,
+                        model=args.model or "tiny qwen3 (vocab 1024, hidden 256, 2 layers)")
     print(f"{'path':<13} {'k':>6} {'tokens/s':>10} {'s/call':>8} {'B/token':>8} {'json share':>10} "
           f"{'rows share':>10}")
     for r in rows:
@@ -151,6 +151,7 @@ def main(argv=None) -> int:
         k = "hidden" if r["k"] is None else r["k"]
         print(f"{r['path']:<13} {k:>6} {r['tokens_per_s']:>10.0f} {r['seconds']:>8.3f} {wire:>8} {share:>10} "
               f"{parse:>10}")
+    record(args.results, meta, rows, table=False)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=2)
     print(f"wrote {args.out}")

@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, beside this file
+
+from bench_common import add_results_argument, record, run_metadata, time_it  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -34,6 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: world size)")
     p.add_argument("--iters", type=int, default=5, help="timed steps per implementation")
     p.add_argument("--out", default=None, help="write the results here as JSON")
+    add_results_argument(p)
     return p.parse_args(argv)
 
 
@@ -55,37 +57,30 @@ def _batch(args, vocab: int, v_local: int, tp_rank: int):
     return pack_sequences(seqs, [1] * n_seq, teacher=teacher)
 
 
-def _timed_steps(engine, batch, loss_fn, iters: int) -> tuple[list[float], int]:
+def _timed_steps(engine, batch, loss_fn, iters: int):
+    """Timing of `iters` optimizer steps after one warm-up, and the peak memory above the model's state."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(iters + 1):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.train_step([batch], loss_fn)
-        torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - start)
-    return times, torch.cuda.max_memory_allocated() - base
+    timing = time_it(lambda: engine.train_step([batch], loss_fn), 1, iters, torch.cuda.synchronize)
+    return timing, torch.cuda.max_memory_allocated() - base
 
 
-def _loss_alone(batch, loss_fn, v_local: int, iters: int) -> float:
+def _loss_alone(batch, loss_fn, v_local: int, iters: int):
     """Forward + backward of the loss on bf16 logits of the step's shape (no model)."""
     logits = torch.randn(batch.num_tokens, v_local, device="cuda", dtype=torch.bfloat16)
     on_device = batch.to("cuda")   # outside the timed region: a dense teacher's logits are GBs
-    times = []
-    for i in range(iters + 1):
+    out = []
+
+    def fresh_logits():  # the gradient is written in place: every call needs its own copy
         z = logits.clone().requires_grad_()
-        out = z * 1.0  # a non-leaf, as the model's output is: the gradient is written in place
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss, _ = loss_fn(out, on_device)
+        out[:] = [z * 1.0]  # a non-leaf, as the model's output is
+
+    def loss_step():
+        loss, _ = loss_fn(out[0], on_device)
         loss.backward()
-        torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return time_it(loss_step, 1, iters, torch.cuda.synchronize, before_each=fresh_logits)
 
 
 def main(argv=None) -> int:
@@ -114,22 +109,25 @@ def main(argv=None) -> int:
     for impl in ("fused", "reference"):
         loss = LossSection(impl=impl, support="teacher" if args.k else None)
         loss_fn = make_loss_fn(loss, counts, group)
-        step_s, peak = _timed_steps(engine, batch, loss_fn, args.iters)
+        step, peak = _timed_steps(engine, batch, loss_fn, args.iters)
         alone = _loss_alone(batch, loss_fn, v_local, args.iters)
-        rows.append(dict(impl=impl, step_s=round(statistics.median(step_s), 4), loss_s=round(alone, 4),
-                         loss_share=round(alone / statistics.median(step_s), 3),
-                         peak_above_model_gb=round(peak / 1e9, 2)))
+        rows.append(dict(impl=impl, **step.row("step_s"), **alone.row("loss_s"),
+                         loss_share=round(alone.p50 / step.p50, 3), peak_above_model_gb=round(peak / 1e9, 2)))
     logits_gb = batch.num_tokens * v_local * 2 / 1e9
-    result = dict(shape=args.shape, tokens=batch.num_tokens, k=args.k, tp=tp, bf16_logits_gb=round(logits_gb, 2),
-                  rows=rows, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    meta = run_metadata(device=torch.cuda.get_device_name())
+    result = dict(shape=args.shape, tokens=batch.num_tokens, k=args.k, tp=tp,
+                  bf16_logits_gb=round(logits_gb, 2), rows=rows, meta=meta)
     if torch.distributed.get_rank() == 0:
-        print(f"{args.shape}, {batch.num_tokens} tokens, teacher {'top-' + str(args.k) if args.k else 'dense'}, "
-              f"tp={tp}; one bf16 logits buffer = {logits_gb:.2f} GB")
+        record(args.results, {**meta, "shape": args.shape, "tokens": batch.num_tokens, "k": args.k, "tp": tp},
+               rows, table=False)
+        teacher = f"top-{args.k}" if args.k else "dense"
+        print(f"{args.shape}, {batch.num_tokens} tokens, teacher {teacher}, tp={tp}; "
+              f"one bf16 logits buffer = {logits_gb:.2f} GB")
         print("| loss impl | step s | loss fwd+bwd s | loss share | peak above model GB |")
         print("| --- | --- | --- | --- | --- |")
         for r in rows:
-            print(f"| {r['impl']} | {r['step_s']} | {r['loss_s']} | {r['loss_share']:.0%} | {r['peak_above_model_gb']} |")
+            print(f"| {r['impl']} | {r['step_s']} | {r['loss_s']} | {r['loss_share']:.0%} | "
+                  f"{r['peak_above_model_gb']} |")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

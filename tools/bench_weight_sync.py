@@ -5,7 +5,7 @@ with `WeightSender`; rank 1 stands in for the rollout side (vLLM is not needed):
 that copies every received tensor into its own preallocated copy of the model, as `load_weights`
 would. In the same run and on the same group, a raw broadcast loop moves the same total bytes in
 messages of the same size from one reused buffer: the transport's ceiling. Prints a table, writes
-JSON with --json.
+JSON with --json, appends a row with the run's metadata with --results (tools/bench_common.py).
 
     python tools/bench_weight_sync.py --shape qwen3-8b --dtype bf16 --iters 5
     python tools/bench_weight_sync.py --shape tiny --device cpu        # smoke run on a laptop
@@ -19,13 +19,14 @@ import json
 import os
 import socket
 import sys
-import time
 
 import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # weight_sync_e2e
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # weight_sync_e2e, bench_common
+
+from bench_common import add_results_argument, percentiles, record, run_metadata, time_it  # noqa: E402
 
 # name -> (hidden, layers, intermediate, vocab, heads, kv_heads, head_dim)
 SHAPES = {
@@ -51,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--stream-priority", default="high", choices=("high", "normal"),
                    help="device stream of the group's transfers (weight_sync.high_priority_stream)")
     p.add_argument("--json", default=None, help="write results here")
+    add_results_argument(p)
     p.add_argument("--e2e", action="store_true",
                    help="end to end: Megatron export + transfer + load into a running vLLM engine (GPU)")
     p.add_argument("--layout", default="tp1-disagg",
@@ -59,17 +61,21 @@ def parse_args(argv=None):
                    help="--e2e: pin the trainer to this many CPUs and the engine to the rest (0: as started)")
     p.add_argument("--model-dir", default=None, help="--e2e: HF checkpoint to use (default: random, --shape)")
     p.add_argument("--tp-export", default="auto", help="--e2e: weight_sync.tp_export (auto | gather | peer)")
-    p.add_argument("--profile", default=None, help="--e2e: profile one more sync, tables to PREFIX_rank{r}.txt")
+    p.add_argument("--profile", default=None,
+                   help="--e2e: profile one more sync, tables to PREFIX_rank{r}.txt")
     return p.parse_args(argv)
 
 
 def model_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    h, n_layers, inter, vocab, heads, kv, hd = SHAPES[shape] if shape in SHAPES else map(int, shape.split(","))
+    h, n_layers, inter, vocab, heads, kv, hd = (SHAPES[shape] if shape in SHAPES
+                                                else map(int, shape.split(",")))
     out = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(n_layers):
         p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", (heads * hd, h)), (p + "self_attn.k_proj.weight", (kv * hd, h)),
-                (p + "self_attn.v_proj.weight", (kv * hd, h)), (p + "self_attn.o_proj.weight", (h, heads * hd)),
+        out += [(p + "self_attn.q_proj.weight", (heads * hd, h)),
+                (p + "self_attn.k_proj.weight", (kv * hd, h)),
+                (p + "self_attn.v_proj.weight", (kv * hd, h)),
+                (p + "self_attn.o_proj.weight", (h, heads * hd)),
                 (p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
                 (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
                 (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
@@ -95,16 +101,11 @@ def timeline(send: dict[str, float], recv: dict[str, float], t0: float) -> dict[
 
 
 def timed(fn, device, transport, iters, warmup) -> list[float]:
-    times = []
-    for i in range(warmup + iters):
-        transport.exchange_status("")  # both sides start together
-        _sync_device(device)
-        start = time.perf_counter()
-        fn(i)
-        _sync_device(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+    """Seconds of each timed call of `fn(i)` (i counts the warm-up calls too: a sync's version); the
+    samples, not percentiles: the sender's and the receiver's are reduced together by the caller."""
+    calls = iter(range(warmup + iters))
+    return time_it(lambda: fn(next(calls)), warmup, iters, lambda: _sync_device(device),
+                   before_each=lambda: transport.exchange_status("")).samples  # both sides start together
 
 
 def raw_broadcast(transport, buf, total_bytes, timeout):
@@ -173,11 +174,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.e2e:
@@ -185,6 +181,7 @@ def main(argv=None) -> int:
 
         row = run_e2e(args)
         print_row(row)
+        record(args.results, row["meta"], [{k: v for k, v in row.items() if k != "meta"}], table=False)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(row, f, indent=1)
@@ -200,23 +197,28 @@ def main(argv=None) -> int:
     sender, receiver = results
     gb = sender["total_bytes"] / 1e9
     # a sync is done when the receiver has loaded the last bucket: time it there
-    sync_s, raw_s = _median(receiver["sync_s"]), _median(receiver["raw_s"])
-    row = dict(shape=args.shape, dtype=args.dtype, bucket_mb=args.bucket_mb, same_device=args.same_device, gbytes=round(gb, 3),
-               buckets=sender["num_buckets"], sync_s=round(sync_s, 4), sync_gbps=round(gb / sync_s, 1),
-               raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
+    sync, raw = percentiles(receiver["sync_s"]), percentiles(receiver["raw_s"])
+    sync_s, raw_s = sync["p50"], raw["p50"]
+    row = dict(shape=args.shape, dtype=args.dtype, bucket_mb=args.bucket_mb, same_device=args.same_device,
+               gbytes=round(gb, 3), buckets=sender["num_buckets"], sync_s=round(sync_s, 4),
+               sync_s_p20=round(sync["p20"], 4), sync_s_p80=round(sync["p80"], 4),
+               sync_gbps=round(gb / sync_s, 1),
+               raw_s=round(raw_s, 4), raw_s_p20=round(raw["p20"], 4), raw_s_p80=round(raw["p80"], 4),
+               raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
                receiver_verified=receiver["verified"], device=sender["device_name"], transport=args.transport,
                load=not args.no_load, sync_all_s=receiver["sync_s"], raw_all_s=receiver["raw_s"],
                stream_priority=args.stream_priority,
                timeline={k: round(v, 4) for k, v in timeline(sender["marks"], receiver["marks"],
                                                                  sender["marks"]["start"]).items()},
-               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__)
+               meta=run_metadata(device=sender["device_name"]))
     print("| transport | shape | dtype | GB | buckets | sync s | sync GB/s | raw s | raw GB/s | sync/raw |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| {args.transport} | {row['shape']} | {row['dtype']} | {row['gbytes']} | {row['buckets']} | {row['sync_s']} | "
-          f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} |")
+    print(f"| {args.transport} | {row['shape']} | {row['dtype']} | {row['gbytes']} | {row['buckets']} | "
+          f"{row['sync_s']} | {row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} |")
     print("the last sync, ms from the sender's start:",
           ", ".join(f"{k[3:-3]} {v}" for k, v in row["timeline"].items()))
     print(json.dumps(row))
+    record(args.results, row["meta"], [{k: v for k, v in row.items() if k != "meta"}], table=False)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(row, f, indent=1)

@@ -12,8 +12,8 @@ transfer of the same bytes in the same message size is the ceiling:
     tp2-coloc     2 ranks on GPU 0, 1    GPU 0         colocated_ipc   IPC copy on GPU 0
     tp2-disagg    2 ranks on GPU 2, 3    GPU 0         group (NCCL)    NCCL broadcast GPU 1 -> GPU 0
 
-For the colocated layouts the run also times the issue's yardstick, an NCCL broadcast of the same
-bytes from GPU 1 to GPU 0 (`raw_nccl_s`). `--profile PREFIX`: one more sync under torch.profiler on
+For the colocated layouts the run also times the disaggregated yardstick, an NCCL broadcast of the
+same bytes from GPU 1 to GPU 0 (`raw_nccl_s`). `--profile PREFIX`: one more sync under torch.profiler on
 every trainer rank, its tables in PREFIX_rank{r}.txt.
 
     python tools/bench_weight_sync.py --e2e --shape qwen3-8b --layout tp1-disagg --iters 5
@@ -26,13 +26,13 @@ import socket
 import sys
 import tempfile
 import time
-from statistics import median
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_weight_sync, beside this file
-from bench_weight_sync import raw_broadcast, timed, timeline
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_weight_sync, bench_common, beside this
+from bench_common import percentiles, run_metadata, time_it  # noqa: E402
+from bench_weight_sync import raw_broadcast, timed, timeline  # noqa: E402
 
 LAYOUTS = {  # name -> (trainer ranks, first trainer GPU, transport)
     "tp1-disagg": (1, 1, "group"),
@@ -77,16 +77,12 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
     init_distributed(cfg)
     _, chunks = build_student(model_dir, None, "bfloat16")
     syncer = WeightSyncer(chunks, rollout, cfg)
-    times, phases = [], []
-    for i in range(args.warmup + args.iters):
-        torch.distributed.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        syncer.sync(i + 1)  # returns once every engine worker has loaded version i + 1
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-            phases.append(_phases(syncer) if rank == 0 else None)
+    versions, phases = iter(range(1, args.warmup + args.iters + 1)), []
+    # returns once every engine worker has loaded the version
+    times = time_it(lambda: syncer.sync(next(versions)), args.warmup, args.iters, torch.cuda.synchronize,
+                    before_each=torch.distributed.barrier,
+                    after_each=lambda: phases.append(_phases(syncer) if rank == 0 else None)).samples
+    phases = phases[args.warmup:]
     if args.profile:
         _profiled_sync(syncer, args.warmup + args.iters + 1, f"{args.profile}_rank{rank}.txt")
     rpc = _idle_rpc(syncer.link.handle) if syncer.link.handle is not None else None
@@ -122,11 +118,13 @@ def _phases(syncer) -> dict:
     engine worker's load, its waits for bytes, and vLLM's layerwise reload set-up + finalize; and
     how many buckets each end replayed (`weight_sync/copy_replay.py`)."""
     sender = syncer.link.source.sender
-    out = {} if sender is None else {"pack_s": sender.stats.last_pack_s, "send_wait_s": sender.stats.last_wait_s,
+    out = {} if sender is None else {"pack_s": sender.stats.last_pack_s,
+                                     "send_wait_s": sender.stats.last_wait_s,
                                      "sent_replayed": sender.stats.last_replayed}
     if syncer.link.handle is not None:
         worker, t = syncer.link.handle.stats()[0], syncer.link.handle.last_receive_t
-        out.update(load_s=worker["last_load_s"], recv_wait_s=worker["last_wait_s"], reload_s=worker["last_reload_s"],
+        out.update(load_s=worker["last_load_s"], recv_wait_s=worker["last_wait_s"],
+                   reload_s=worker["last_reload_s"],
                    loaded_replayed=worker["last_replayed"],
                    # the engine calls around the receive, posted together (receive, version stamp;
                    # the rollout salts its prefix cache, so no reset): posting, reaching the
@@ -156,7 +154,8 @@ def _idle_rpc(handle, calls: int = 10) -> dict:
         worker_t = handle._worker_call("opkd_clock").result()[0]
         back.append(time.monotonic() - worker_t)
         reach.append(worker_t - sent)
-    return {"idle_rpc_reach_s": round(median(reach), 5), "idle_rpc_answer_s": round(median(back), 5)}
+    return {"idle_rpc_reach_s": round(percentiles(reach)["p50"], 5),
+            "idle_rpc_answer_s": round(percentiles(back)["p50"], 5)}
 
 
 def _cpu_sets() -> dict:
@@ -224,22 +223,22 @@ def run_e2e(args) -> dict:
           f"seconds {e2e['sync_s']}, phases {e2e['phases'][-1]}", flush=True)
     transport = LAYOUTS[args.layout][2]
     raw = dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"], e2e["max_bucket"], transport))
-    # the issue's yardstick for every layout: an NCCL broadcast of the same bytes between the GPUs
+    # one yardstick for every layout: an NCCL broadcast of the same bytes between the GPUs
     nccl = raw if transport == "group" else dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"],
                                                        e2e["max_bucket"], "group"))
     gb = e2e["total_bytes"] / 1e9
-    sync_s, raw_s, nccl_s = median(e2e["sync_s"]), median(raw[1]), median(nccl[1])
-    phases = {k: round(median([p[k] for p in e2e["phases"]]), 4) for k in e2e["phases"][0]}
+    sync = percentiles(e2e["sync_s"])
+    sync_s, raw_s, nccl_s = sync["p50"], percentiles(raw[1])["p50"], percentiles(nccl[1])["p50"]
+    phases = {k: round(percentiles([p[k] for p in e2e["phases"]])["p50"], 4) for k in e2e["phases"][0]}
     return dict(mode="e2e", layout=args.layout, shape=args.shape, gbytes=round(gb, 3), buckets=e2e["buckets"],
-                bucket_mb=args.bucket_mb, sync_s=round(sync_s, 4), sync_gbps=round(gb / sync_s, 1),
+                bucket_mb=args.bucket_mb, sync_s=round(sync_s, 4), sync_s_p20=round(sync["p20"], 4),
+                sync_s_p80=round(sync["p80"], 4), sync_gbps=round(gb / sync_s, 1),
                 raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
                 raw_nccl_s=round(nccl_s, 4), ratio_nccl=round(nccl_s / sync_s, 3),
                 engine_version=e2e["version"], device=e2e["device"], sync_all_s=e2e["sync_s"],
                 raw_all_s=raw[1], phases=phases, idle_rpc=e2e["idle_rpc"], cpus=e2e["cpus"],
                 trainer_cpus=args.trainer_cpus, tp_export=args.tp_export,
-                stream_priority=args.stream_priority,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                torch=torch.__version__)
+                stream_priority=args.stream_priority, meta=run_metadata(device=e2e["device"]))
 
 
 def print_row(row: dict) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU lane on a lent machine (after `eval "$(bash tools/gpu/env.sh)"`), one step per argument;
 # logs and JSON go to $OUT (the device tool brings them back), figures into docs/benchmarks.md.
+# tools/gpu/README.md is the runbook: which steps need which machine, carrying the wheels.
 #
 #   bash tools/gpu/lane.sh tests          # pytest -m "gpu or vllm": every vLLM test CI runs on CPU, on CUDA
 #                                         # (not the Ray-cluster tests: CPU bundles; `steps` is Ray on GPUs)
@@ -67,7 +68,7 @@ case "${1:-}" in
   tests)
     targets=("${@:2}"); [ ${#targets[@]} -eq 0 ] && targets=(tests/)
     # SIGINT at the deadline: pytest then still prints its summary of the failures so far;
-    # COLLECT_ONLY=1 lists what a step would run (tests/test_gpu_lane.py checks the parts cover the suite)
+    # COLLECT_ONLY=1 lists what a step would run (`pytest -m runbook`: the parts cover the whole suite)
     timeout -s INT -k 20 "${TESTS_DEADLINE:-3000}" \
     python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rfEs --tb=short "${targets[@]}" \
         ${COLLECT_ONLY:+--collect-only} \
@@ -138,7 +139,7 @@ case "${1:-}" in
     [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
     b=${BUCKET_MB:-1024}; log="$OUT/e2e_$2_$3_$b${TAG:-}"
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
-        --bucket-mb "$b" --iters 5 --json "$log.json" "${@:4}" > "$log.log" 2>&1
+        --bucket-mb "$b" --iters 5 --json "$log.json" --results "$OUT/results.jsonl" "${@:4}" > "$log.log" 2>&1
     grep -A3 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log" ;;
   e2e_buckets)  # e2e SHAPE LAYOUT at several bucket sizes (BUCKETS, MiB; weight_sync.bucket_mb: 512):
         # the first bucket's pack (the head) and the last one's load (the tail) grow with the bucket;
@@ -149,7 +150,7 @@ case "${1:-}" in
       n=$((n + 1))
       TAG="${TAG:-}_r$n" BUCKET_MB=$b timeout 200 bash "$0" e2e "${2:-qwen3-1.7b}" "${3:-tp1-disagg}" "${@:4}"
     done ;;
-  e2e_all)  # issue 12's three end-to-end figures in one call (~6 minutes on two H200s, models made first)
+  e2e_all)  # the three end-to-end sync figures in one call (~6 minutes on two H200s, models made first)
     for run in "qwen3-1.7b tp1-disagg" "qwen3-8b tp1-disagg" "qwen3-8b tp2-coloc"; do
       timeout 280 bash "$0" e2e $run
     done ;;
@@ -187,46 +188,48 @@ case "${1:-}" in
     cp /tmp/runs/demo/summary.json "$OUT/demo_summary.json" ;;
   loss)  # the loss inside a real training step: fused vs reference, top-64 and dense teachers
     python3 tools/bench_train_step.py --shape qwen3-0.6b --tokens 8192 --k 64 --out "$OUT/step_loss_topk.json" \
-        2>&1 | tee "$OUT/step_loss_topk.log" | grep "^|"
+        --results "$OUT/results.jsonl" 2>&1 | tee "$OUT/step_loss_topk.log" | grep "^|"
     python3 tools/bench_train_step.py --shape qwen3-0.6b --tokens 8192 --k 0 --out "$OUT/step_loss_dense.json" \
-        2>&1 | tee "$OUT/step_loss_dense.log" | grep "^|" ;;
+        --results "$OUT/results.jsonl" 2>&1 | tee "$OUT/step_loss_dense.log" | grep "^|" ;;
   lm_head)  # the fused LM head + KD kernels: correctness on the GPU first, then the benchmark
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_linear_kd_gpu.py 2>&1 \
         | tee "$OUT/lm_head_tests.log" | tail -5
-    python3 tools/bench_kernels.py --mode lm_head --out "$OUT/lm_head_tp1.json" "${@:2}" > "$OUT/lm_head_tp1.log" 2>&1
+    python3 tools/bench_kernels.py --mode lm_head --out "$OUT/lm_head_tp1.json" --results "$OUT/results.jsonl" "${@:2}" \
+        > "$OUT/lm_head_tp1.log" 2>&1
     tail -45 "$OUT/lm_head_tp1.log" ;;
   lm_head2)
     python3 -m torch.distributed.run --nproc_per_node 2 tools/bench_kernels.py --mode lm_head \
-        --out "$OUT/lm_head_tp2.json" > "$OUT/lm_head_tp2.log" 2>&1
+        --out "$OUT/lm_head_tp2.json" --results "$OUT/results.jsonl" > "$OUT/lm_head_tp2.log" 2>&1
     tail -45 "$OUT/lm_head_tp2.log" ;;
   moe)  # a Qwen3-30B-A3B-shaped MoE student with fewer layers at EP=2 (2 GPUs)
     python3 -m torch.distributed.run --nproc_per_node 2 tools/bench_models.py --moe --layers 8 --seq 4096 \
-        --out "$OUT/moe.json" > "$OUT/moe.log" 2>&1; grep "^|" "$OUT/moe.log" ;;
+        --out "$OUT/moe.json" --results "$OUT/results.jsonl" > "$OUT/moe.log" 2>&1; grep "^|" "$OUT/moe.log" ;;
   moe1)  # the same MoE student at EP=1 on one GPU: half the layers, to fit its optimizer state
     python3 -m torch.distributed.run --nproc_per_node 1 tools/bench_models.py --moe --layers 4 --seq 4096 \
-        --out "$OUT/moe1.json" > "$OUT/moe1.log" 2>&1; grep "^|" "$OUT/moe1.log" || tail -20 "$OUT/moe1.log" ;;
+        --out "$OUT/moe1.json" --results "$OUT/results.jsonl" > "$OUT/moe1.log" 2>&1; grep "^|" "$OUT/moe1.log" || tail -20 "$OUT/moe1.log" ;;
   steps1)  # bench_step on one GPU: trainer rank, rollout engine and teacher share it (colocated: sync only)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
         --teacher-backend vllm --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --params-dtype bfloat16 --steps 6 --gpu-memory-utilization 0.2 \
         --schedules sync \
-        --json "$OUT/bench_step1.json" controller.placement=colocated "${@:2}" > "$OUT/bench_step1.log" 2>&1
+        --json "$OUT/bench_step1.json" --results "$OUT/results.jsonl" controller.placement=colocated "${@:2}" > "$OUT/bench_step1.log" 2>&1
     tail -6 "$OUT/bench_step1.log" ;;
-  rollout)  # why the Ray controller's colocated rollout was 3.8x slower than in-process (needs `models`, Ray)
-    python3 tools/bench_rollout.py --model /tmp/models/qwen3-0.6b --json "$OUT/bench_rollout.json" "${@:2}" \
+  rollout)  # one rollout engine in-process vs inside a Ray actor, sleep mode off/on (needs `models`, Ray)
+    python3 tools/bench_rollout.py --model /tmp/models/qwen3-0.6b --json "$OUT/bench_rollout.json" \
+        --results "$OUT/results.jsonl" "${@:2}" \
         > "$OUT/bench_rollout.log" 2>&1; grep "^|" "$OUT/bench_rollout.log" || tail -20 "$OUT/bench_rollout.log"
     pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore' ;;
   rollout_graphs)  # the same engine with CUDA graphs captured (rollout.enforce_eager=false), in-process
     python3 tools/bench_rollout.py --model /tmp/models/qwen3-0.6b --modes inprocess,inprocess_sleep --cuda-graphs \
-        --json "$OUT/bench_rollout_graphs.json" "${@:2}" > "$OUT/bench_rollout_graphs.log" 2>&1
+        --json "$OUT/bench_rollout_graphs.json" --results "$OUT/results.jsonl" "${@:2}" > "$OUT/bench_rollout_graphs.log" 2>&1
     grep -E "^\||per call" "$OUT/bench_rollout_graphs.log" || tail -20 "$OUT/bench_rollout_graphs.log" ;;
   teacher_hidden)  # a served teacher: top-64 rows vs final-norm hidden states (exact dense KD), needs `models`
     python3 tools/bench_teacher.py --model /tmp/models/qwen3-1.7b --ks 64 --hidden --skip-inprocess \
-        --out "$OUT/bench_teacher_hidden.json" > "$OUT/bench_teacher_hidden.log" 2>&1
+        --out "$OUT/bench_teacher_hidden.json" --results "$OUT/results.jsonl" > "$OUT/bench_teacher_hidden.log" 2>&1
     grep "^|" "$OUT/bench_teacher_hidden.log" || tail -20 "$OUT/bench_teacher_hidden.log" ;;
   steps)  # bench_step on the models of `models`: needs Ray (tools/gpu/wheels.sh ray)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
         --teacher-backend vllm --teachers-with-rollout --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --params-dtype bfloat16 --steps 5 \
-        --json "$OUT/bench_step.json" rollout.enforce_eager=false "${@:2}" > "$OUT/bench_step.log" 2>&1
+        --json "$OUT/bench_step.json" --results "$OUT/results.jsonl" rollout.enforce_eager=false "${@:2}" > "$OUT/bench_step.log" 2>&1
     tail -6 "$OUT/bench_step.log"
     # the tool keeps actors' output off the driver: a failed start's root cause is in their logs
     [ -s "$OUT/bench_step.json" ] || (cd /tmp/ray/session_latest/logs && tail -n 60 worker-*.err > "$OUT/ray_workers.err")

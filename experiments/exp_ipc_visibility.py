@@ -6,7 +6,7 @@ from processes that see only their own GPU. This maps one exporter's buffer (GPU
 from importers with other visibilities, through `opkd_mcore.platform.ipc_handles`, and reports for
 each whether the mapping opens, reads the exporter's bytes, and (peer) writes them.
 
-    python tools/gpu/exp_ipc_visibility.py
+    python experiments/exp_ipc_visibility.py
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [  # (CUDA_VISIBLE_DEVICES of the importer, open as peer)
     ("1", False), ("1", True), ("1,0", False), ("1,0", True), ("0", False)]
 NBYTES = 64 << 20

@@ -20,8 +20,8 @@ pipelining of the loads; 1 = none), ev = eviction hints (pass 1 evict_last, pass
 poly = teacher exp in pass 2 (1) or both passes (2) on the FMA pipe (Cody-Waite + degree-6 polynomial)
 instead of MUFU, G = programs per row.
 
-GPU:  python tools/gpu/exp_onepass_kl.py [--sweep 1|2|3]   (--shapes, --repeats, --only REGEX, --json PATH)
-CPU:  python tools/gpu/exp_onepass_kl.py --interpret-smoke   (TRITON_INTERPRET=1, tiny shapes, checks only;
+GPU:  python experiments/exp_onepass_kl.py [--sweep 1|2|3]   (--shapes, --repeats, --only REGEX, --json PATH)
+CPU:  python experiments/exp_onepass_kl.py --interpret-smoke   (TRITON_INTERPRET=1, tiny shapes, checks only;
       split_row runs as two launches there, stats then merge+grad, since the interpreter runs programs
       one after the other and the spin-wait would deadlock)
 """
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -5,7 +5,7 @@ at ~700 TFLOP/s against ~790 for all 16384 rows at once on an H200. This times e
 three GEMM shapes (logits h[R] W^T, dh = dz W, dW += dz^T h[R]) per R and per torch entry point, as
 TFLOP/s, CUDA events, median of `--repeats`.
 
-    python tools/gpu/exp_chunk_gemm.py --rows 1024,2048,4096,8192,16384
+    python experiments/exp_chunk_gemm.py --rows 1024,2048,4096,8192,16384
 """
 from __future__ import annotations
 
