@@ -161,7 +161,12 @@ def check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
         raise ConfigError(f"parallel.ep: etp*ep*pp = {expert_parallel} does not divide the world size "
                           f"{world} (Megatron lays the experts out over the same ranks)")
     dp = world // model_parallel
-    if par.global_batch_size % (par.micro_batch_size * dp):
+    if par.max_tokens_per_micro_batch is not None:
+        positive("parallel.max_tokens_per_micro_batch", par.max_tokens_per_micro_batch)
+        if par.global_batch_size % dp:
+            raise ConfigError(f"parallel.global_batch_size: {par.global_batch_size} is not divisible by "
+                              f"dp = {dp} (every DP rank trains as many sequences)")
+    elif par.global_batch_size % (par.micro_batch_size * dp):
         raise ConfigError(f"parallel.global_batch_size: {par.global_batch_size} is not divisible by "
                           f"micro_batch_size*dp = {par.micro_batch_size}*{dp}")
     samples = cfg.rollout.prompts_per_step * cfg.rollout.n

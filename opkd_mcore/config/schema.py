@@ -58,6 +58,10 @@ class ParallelSection:
     ep: int = 1  # expert parallel size: MoE students only, must divide the number of experts
     etp: int | None = None  # expert tensor-parallel size (MoE); None = tp
     micro_batch_size: int = 1  # sequences per packed micro-batch on each DP rank
+    # tokens per packed micro-batch on each DP rank (verl's dynamic batch size): the step's sequences
+    # are dealt to the DP ranks balanced by tokens, then into as few micro-batches as fit the budget (a
+    # longer sequence alone); None = micro_batch_size sequences per micro-batch
+    max_tokens_per_micro_batch: int | None = None
     global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
     world_size: int | None = None  # ranks the run expects; None = the launcher's WORLD_SIZE (or 1)
 

@@ -15,13 +15,9 @@ import torch
 import torch.distributed as dist
 
 from opkd_mcore.config.schema import ParallelSection
+from opkd_mcore.engine.micro_batches import micro_batch_groups
 from opkd_mcore.engine.packing import pack_sequences
 from opkd_mcore.train.stages import ShardLayout
-
-
-def _my_slice(total: int, shard: ShardLayout) -> range:
-    per_rank = total // shard.dp_size
-    return range(shard.dp_rank * per_rank, (shard.dp_rank + 1) * per_rank)
 
 
 @torch.no_grad()
@@ -37,11 +33,13 @@ def truncated_is_weights(engine, samples: list, stale: list[bool], par: Parallel
     from megatron.core import tensor_parallel
 
     weights = torch.ones(len(samples), dtype=torch.float32)
-    mine = [i for i in _my_slice(len(samples), shard) if stale[i]]
+    # the samples this rank trains (the same split as the training step), in its micro-batches
+    groups = micro_batch_groups([len(s.sequence) for s in samples], shard.dp_size, shard.dp_rank,
+                                micro_batch_size=par.micro_batch_size, max_tokens=par.max_tokens_per_micro_batch)
+    groups = [g for g in ([i for i in group if stale[i]] for group in groups) if g]
+    mine = [i for g in groups for i in g]
     if not mine:
         return weights, {}
-    size = par.micro_batch_size
-    groups = [mine[s:s + size] for s in range(0, len(mine), size)]
     batches = [pack_sequences([samples[i].sequence for i in g], [len(samples[i].prompt_ids) for i in g],
                               sampler_logprobs=[samples[i].response_logprobs for i in g]) for g in groups]
     outputs = engine.forward_logits_many(batches)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from opkd_mcore.controller.importance import truncated_is_weights
+from opkd_mcore.engine.micro_batches import data_parallel_split
 from opkd_mcore.models import save_hf_checkpoint
 from opkd_mcore.platform import collective_backend
 from opkd_mcore.platform.parallel import destroy_parallel
@@ -157,22 +158,23 @@ class TrainerWorker:
             weight_sync.close(abort)
 
     # ---- training ----------------------------------------------------------------------------
-    def _rows_needed(self, total: int) -> range | list:
+    def _rows_needed(self, samples: list) -> range | list:
         """Rows this rank reads: all on rank 0 (it reports the batch's metrics) or with TCAD weights
         (softmax over whole groups); its DP slice on the last stage; none on other stages."""
         if self.rank == 0 or self.cfg.loss.confidence_alpha:
-            return range(total)
+            return range(len(samples))
         if not self.engine.is_last_stage:
             return []
-        per = total // self.shard.dp_size
-        return range(self.shard.dp_rank * per, (self.shard.dp_rank + 1) * per)
+        by_tokens = self.cfg.parallel.max_tokens_per_micro_batch is not None
+        return data_parallel_split([len(s.sequence) for s in samples], self.shard.dp_size,
+                                   balance_tokens=by_tokens)[self.shard.dp_rank]
 
     def train(self, batch: TrainBatch) -> TrainReply:
         import ray
 
         start = time.perf_counter()
         rows = [None] * len(batch.samples)
-        needed = [i for i in self._rows_needed(len(batch.samples)) if batch.rows[i] is not None]
+        needed = [i for i in self._rows_needed(batch.samples) if batch.rows[i] is not None]
         chunk_ids = sorted({batch.rows[i][0] for i in needed})
         fetched = dict(zip(chunk_ids, ray.get([batch.chunks[c] for c in chunk_ids])))
         for i in needed:

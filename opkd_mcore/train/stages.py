@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from opkd_mcore.config.schema import LossSection, ParallelSection
 from opkd_mcore.data.rewards import group_advantages
+from opkd_mcore.engine.micro_batches import micro_batch_groups
 from opkd_mcore.engine.packing import PackedBatch, pack_sequences
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, teacher_confidence_scores, teacher_confidence_weights
 from opkd_mcore.losses.teacher_outputs import PAD_ID, HiddenTeacher
@@ -178,16 +179,14 @@ def confidence_weights(scored: ScoredBatch, alpha: float) -> torch.Tensor | None
 
 def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLayout,
                        seq_weights: torch.Tensor | None = None) -> tuple[list[PackedBatch], StepCounts]:
-    """This DP rank's slice of the step, packed into micro-batches of `micro_batch_size` sequences."""
+    """This DP rank's share of the step, packed into micro-batches (`engine.micro_batches`: by
+    `micro_batch_size` sequences, or by `max_tokens_per_micro_batch` tokens)."""
     total = len(scored.samples)
-    if total % shard.dp_size:
-        raise ValueError(f"samples: {total} per step do not split over {shard.dp_size} DP ranks")
-    per_rank = total // shard.dp_size
-    mine = range(shard.dp_rank * per_rank, (shard.dp_rank + 1) * per_rank)
     counts = StepCounts(num_tokens=sum(len(s.response_ids) for s in scored.samples), num_seqs=total)
+    groups = micro_batch_groups([len(s.sequence) for s in scored.samples], shard.dp_size, shard.dp_rank,
+                                micro_batch_size=par.micro_batch_size, max_tokens=par.max_tokens_per_micro_batch)
     batches = []
-    for start in range(mine.start, mine.stop, par.micro_batch_size):
-        idx = list(range(start, min(start + par.micro_batch_size, mine.stop)))
+    for idx in groups:
         samples = [scored.samples[i] for i in idx]
         rows = [_pad_teacher_rows(scored.teacher[i], shard) for i in idx]
         advantages = scored.task_advantages
