@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from opkd_mcore.config import ConfigError, load_config
+from opkd_mcore.config.schema import TeacherEndpoint
 from opkd_mcore.controller.data_plane import GroupResult, PromptQueue
 from opkd_mcore.data import PromptSampler
 from opkd_mcore.rollout import Sample
-from opkd_mcore.train.samples_log import SamplesLog, audit, batch_records, draw_epochs, read_samples
+from opkd_mcore.train.samples_log import SamplesLog, audit, draw_epochs, read_samples
 from opkd_mcore.train.stages import PromptBatch
+from opkd_mcore.train.step_report import prompt_groups, sample_records
 
 BASE = ["model.student=Qwen/Qwen3-0.6B", "teacher.teachers.0.model=Qwen/Qwen3-0.6B", "loss.support=teacher",
         "parallel.global_batch_size=8"]
@@ -171,8 +173,9 @@ def test_samples_log_audit_and_resume_truncation(tmp_path):
                for g in (0, 0, 1, 1)]
     assert draw_epochs({"epoch": 2, "position": 5}, 6, 3) == [2, 3, 3]
     log = SamplesLog(str(tmp_path))
-    log.write(batch_records(0, [4, 5], [0, 1], samples, 1, "default"))
-    log.write(batch_records(1, [0, 1], [1, 1], samples, 2, "default"))
+    teachers = [TeacherEndpoint(name="math", data_sources=["gsm8k"]), TeacherEndpoint(name="default")]
+    log.write(sample_records(0, prompt_groups([4, 5], [0, 1], samples), 1, teachers))
+    log.write(sample_records(1, prompt_groups([0, 1], [1, 1], samples), 2, teachers))
     rows = read_samples(str(tmp_path))
     assert [(r["prompt_index"], r["epoch"], r["sample_index"], r["teacher"]) for r in rows[:4]] == \
            [(4, 0, 0, "default"), (4, 0, 1, "default"), (5, 1, 0, "math"), (5, 1, 1, "math")]

@@ -4,13 +4,13 @@ import math
 import pytest
 import torch
 
-from opkd_mcore.config import LossSection, LoggingSection, ParallelSection
+from opkd_mcore.config import LoggingSection, LossSection, ParallelSection
 from opkd_mcore.losses import DenseTeacher, TopKTeacher
 from opkd_mcore.rollout import Sample
-from opkd_mcore.train.loop import rollout_metrics
 from opkd_mcore.train.metrics import MetricsLogger, read_jsonl
 from opkd_mcore.train.objective import StepCounts, make_loss_fn
 from opkd_mcore.train.stages import ScoredBatch, ShardLayout, pack_micro_batches
+from opkd_mcore.train.step_report import rollout_metrics
 
 V, K = 11, 3
 

@@ -21,6 +21,7 @@ from opkd_mcore.config.checks import (
 )
 from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.model_checks import (
+    TokenizerInfo,
     check_parallel,
     check_student_vocab,
     check_vocab,
@@ -455,7 +456,7 @@ def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfi
     if not cfg.model.student:
         raise ConfigError("model.student: expected the student's HF checkpoint directory or hub id")
     student_shape = model_shape("model.student", cfg.model.student, check_files)
-    tokenizers: dict = {}  # checkpoint -> TokenizerInfo, each tokenizer loaded once
+    tokenizers: dict[str, TokenizerInfo] = {}  # by checkpoint: each tokenizer loaded once
     check_student_vocab(student_shape, load_tokenizer_info("model.student", cfg.model.student,
                                                              tokenizers))
     _check_rest(cfg, check_files)

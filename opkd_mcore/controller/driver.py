@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 from opkd_mcore.config import dump_config
@@ -33,7 +34,6 @@ from opkd_mcore.controller.schedules import Pipeline, StepWork
 from opkd_mcore.controller.trainer_worker import TrainBatch
 from opkd_mcore.data import PromptSampler, build_datasets
 from opkd_mcore.data.rewards import TaskRewards
-from opkd_mcore.rollout import SamplingConfig
 from opkd_mcore.train import stages
 from opkd_mcore.train.checkpoint import (
     TrainerState,
@@ -43,7 +43,8 @@ from opkd_mcore.train.checkpoint import (
 )
 from opkd_mcore.train.loop import encode_prompts
 from opkd_mcore.train.metrics import MetricsLogger
-from opkd_mcore.train.samples_log import SampleRecord, SamplesLog, default_teacher_name
+from opkd_mcore.train.samples_log import SampleRecord, SamplesLog
+from opkd_mcore.train.step_report import PromptSamples, sample_records, sampling_config, step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,6 @@ WORKLOAD_SECTIONS = ("model", "parallel", "loss", "teacher", "weight_sync", "opt
 ENGINE_ROLLOUT_FIELDS = ("max_model_len", "gpu_memory_utilization", "enforce_eager", "seed")
 
 
-def _sampling(cfg: TrainConfig):
-    ro = cfg.rollout
-    return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                          max_new_tokens=ro.max_new_tokens)
-
-
 class RayController:
     """One run on Ray. `groups`: reuse the actors of an earlier run of the same workload (its
     trainer is reset to the initial checkpoint). `on_event(name, info)` observes the pipeline (tests
@@ -66,7 +61,7 @@ class RayController:
     prompts}, "teacher_submitted" {teacher, replica, step, chunk}, "step_done" {step, metrics}."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, export_only: bool = False,
-                 groups: WorkerGroups | None = None, on_event=None):
+                 groups: WorkerGroups | None = None, on_event: Callable[[str, dict], None] | None = None):
         self.cfg, self.resume, self.export_only = cfg, resume or export_only, export_only
         self.on_event = on_event
         self.owns_groups = groups is None
@@ -79,7 +74,7 @@ class RayController:
         self.groups = groups
 
     # ---- set-up ----------------------------------------------------------------------------
-    def _data(self):
+    def _data(self) -> PromptQueue:
         from transformers import AutoTokenizer
 
         cfg = self.cfg
@@ -112,7 +107,7 @@ class RayController:
         return TrainerDied(f"{err}; the run stops. The last complete checkpoint ({last or 'none yet'}) is "
                            "intact: continue with --resume")
 
-    def _restore(self, queue):
+    def _restore(self, queue: PromptQueue) -> TrainerState:
         state = TrainerState()
         if self.resume:
             state = TrainerState(**self._on_trainers("load", self.cfg.run.output_dir)[0])
@@ -149,7 +144,7 @@ class RayController:
             if self.owns_groups:
                 self.groups.shutdown()
 
-    def _train(self, queue, state) -> list[dict]:
+    def _train(self, queue: PromptQueue, state: TrainerState) -> list[dict]:
         cfg, out = self.cfg, self.cfg.run.output_dir
         log = MetricsLogger(out, cfg.logging, cfg.run.steps, start_step=state.step)
         samples_log = SamplesLog(out, start_step=state.step)
@@ -158,7 +153,7 @@ class RayController:
         if cfg.loss.task_reward_coef:
             self.rewards = TaskRewards(cfg.data.rewards)
         pipe = Pipeline(cfg, self.groups, queue, version=state.weight_version, step=state.step,
-                        sampling=_sampling(cfg), on_event=self.on_event)
+                        sampling=sampling_config(cfg), on_event=self.on_event)
         history, ckpt = [], cfg.checkpoint
         while state.step < cfg.run.steps:
             step = state.step
@@ -175,7 +170,7 @@ class RayController:
         log.close()
         return history
 
-    def _save(self, pipe: Pipeline, queue, state) -> None:
+    def _save(self, pipe: Pipeline, queue: PromptQueue, state: TrainerState) -> None:
         state.sampler = queue.state_dict()  # the sampler position and every prompt not yet trained
         refs = {f"trainer rank {r}": t.save.remote(self.cfg.run.output_dir, asdict(state), self.config_yaml,
                                                   self.cfg.checkpoint.keep_last)
@@ -195,7 +190,8 @@ class RayController:
             raise
 
     # ---- one step --------------------------------------------------------------------------
-    def _step(self, pipe: Pipeline, queue, state):
+    def _step(self, pipe: Pipeline, queue: PromptQueue,
+              state: TrainerState) -> tuple[dict[str, float], list[SampleRecord]]:
         cfg, start = self.cfg, time.perf_counter()
         step, version_trained = state.step, pipe.version
         work = pipe.take_batch(step)
@@ -226,20 +222,18 @@ class RayController:
         pipe.progress = state.step
         pipe.release_deferred()
         step_s = time.perf_counter() - start
-        metrics = {**replies[0].metrics, **extra, **timings}
+        train_s = max(r.seconds for r in replies)
+        # trainer rank 0's reply carries the optimizer step's metrics and the rollout metrics
+        metrics = step_metrics({**replies[0].metrics, **extra, **timings}, train_s=train_s, sync_s=sync_s,
+                               step_s=step_s, weight_version=pipe.version)
         trained = [r for r in records if not r.dropped]
         lags = [r.version_trained - r.version_generated for r in trained]
-        train_s = max(r.seconds for r in replies)
         busy = timings["timing/rollout"] + timings["timing/teacher"] + train_s + sync_s
-        metrics.update({
-            "timing/train": train_s,
+        metrics.update({  # what only the overlapped schedules have
             "timing/teacher_fetch": max(r.fetch_seconds for r in replies),
-            "timing/weight_sync": sync_s, "timing/step": step_s,
             "timing/wait_rollout": work.wait_rollout, "timing/wait_teacher": work.wait_teacher,
             "timing/wait_train": pipe.take_idle_seconds(),
             "perf/overlap": 1.0 - step_s / busy if busy > 0 else 0.0,
-            "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(step_s, 1e-9),
-            "rollout/weight_version": float(pipe.version),
             "async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags)),
             "async/dropped": float(len(records) - len(trained)),
             "faults/requeued_prompts": float(pipe.requeued),
@@ -271,17 +265,12 @@ class RayController:
         actors = sum(len(a) for a in self.groups.teachers.values())
         return {"timing/rollout": rollout, "timing/teacher": teacher / max(actors, 1)}
 
-    def _records(self, step: int, work: StepWork, version_trained: int) -> list:
-        default = default_teacher_name(self.cfg.teacher.teachers)
-        out = []
-        for group, reason in [*((g, None) for g in work.groups), *work.dropped]:
-            for k, s in enumerate(group.samples):
-                out.append(SampleRecord(
-                    step=step, prompt_index=group.job.prompt_index, epoch=group.job.epoch, sample_index=k,
-                    version_generated=s.weight_version, version_trained=version_trained,
-                    teacher=group.job.data.get("teacher", default), dropped=reason is not None,
-                    reason=reason, token_versions=group.token_versions[k]))
-        return out
+    def _records(self, step: int, work: StepWork, version_trained: int) -> list[SampleRecord]:
+        """The batch's trained groups, then those dropped on the way."""
+        groups = [PromptSamples(prompt_index=g.job.prompt_index, epoch=g.job.epoch, samples=g.samples,
+                                token_versions=g.token_versions, dropped=reason)
+                  for g, reason in [*((g, None) for g in work.groups), *work.dropped]]
+        return sample_records(step, groups, version_trained, self.cfg.teacher.teachers)
 
     def _sync(self, pipe: Pipeline, version: int) -> float:
         """Weights to every engine as `version`, generation going on meanwhile (async). A dead engine

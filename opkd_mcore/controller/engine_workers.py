@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 class GenReply:
     """One generate call's result: per job, its n samples and their token-version runs."""
 
-    samples: list  # list[list[Sample]], one list per job, sample j of job i = its j-th sample
-    token_versions: list  # list[list[list[list[int]] | None]]: per job, per sample
+    samples: list[list[Sample]]  # one list per job, sample j of job i = its j-th sample
+    # per job, per sample: [[version, tokens], ...] when the response spans weight versions, else None
+    token_versions: list[list[list[list[int]] | None]]
     seconds: float
 
 

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
 from opkd_mcore.platform.ray_resources import ray_accelerator_resource, ray_actor_resources
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ logger = logging.getLogger(__name__)
 class Slot:
     """One actor's place: a bundle of a placement group and its share of that bundle."""
 
-    pg: object  # ray.util.placement_group.PlacementGroup
+    pg: PlacementGroup
     bundle: int
     cpus: float
     accelerators: float  # devices (or a fraction of one, when colocated)

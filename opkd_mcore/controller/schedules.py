@@ -24,9 +24,13 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from opkd_mcore.controller.data_plane import GroupResult, PromptJob
 from opkd_mcore.controller.groups import is_actor_death
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ class Chunk:
     teacher: str
     members: list[tuple[GroupResult, int]]
     replica: int = 0
-    rows: object = None  # ObjectRef of list[TeacherOutput]
+    rows: ObjectRef | None = None  # the call's list[TeacherOutput] in the object store
     seconds: float | None = None  # set when the call has returned
     users: int = 0  # groups not yet trained or dropped that read this chunk
 
@@ -75,8 +79,8 @@ class Pipeline:
         self.version = version  # weights the engines hold
         self.progress = step  # optimizer steps trained (and synced when due)
         self.handed = step * cfg.rollout.prompts_per_step  # prompts given to the trainer (async bound)
-        self.gens: dict = {}  # ObjectRef -> GenCall
-        self.calls: dict = {}  # seconds ObjectRef -> Chunk
+        self.gens: dict[ObjectRef, GenCall] = {}  # generate calls in flight
+        self.calls: dict[ObjectRef, Chunk] = {}  # teacher calls in flight, by their seconds' reference
         self.chunks: dict[int, Chunk] = {}
         self.done: dict[tuple, GroupResult] = {}  # generated, not yet trained, in completion order
         self.deferred: list[GroupResult] = []  # generated, teacher call not yet allowed

@@ -14,17 +14,23 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
+from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.controller.importance import truncated_is_weights
 from opkd_mcore.engine.micro_batches import data_parallel_split
 from opkd_mcore.models import save_hf_checkpoint
 from opkd_mcore.platform import collective_backend
 from opkd_mcore.platform.parallel import destroy_parallel
+from opkd_mcore.rollout import Sample
 from opkd_mcore.train import components as c
 from opkd_mcore.train import stages
 from opkd_mcore.train.checkpoint import TrainerState, load_checkpoint, require_checkpoint, save_checkpoint
-from opkd_mcore.train.loop import rollout_metrics
+from opkd_mcore.train.step_report import rollout_metrics
 from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +40,19 @@ class TrainBatch:
     """One optimizer step's input, as the driver sends it (teacher rows stay in the object store)."""
 
     step: int
-    samples: list  # list[Sample], prompt-major; group_id = the prompt's place in this batch
-    rows: list  # per sample: (chunk id, row in chunk), or None when the teacher scores in the step
-    chunks: dict = field(default_factory=dict)  # chunk id -> ObjectRef of list[TeacherOutput]
-    stale: list = field(default_factory=list)  # per sample: past run.max_staleness (truncated_is)
-    task_advantages: list | None = None  # per sample (GRPO), computed by the driver
+    samples: list[Sample]  # prompt-major; group_id = the prompt's place in this batch
+    # per sample: (chunk id, row in chunk), or None when the teacher scores in the step
+    rows: list[tuple[int, int] | None]
+    # chunk id -> the reference of the chunk's list[TeacherOutput] in the object store
+    chunks: dict[int, ObjectRef] = field(default_factory=dict)
+    stale: list[bool] = field(default_factory=list)  # per sample: past run.max_staleness (truncated_is)
+    task_advantages: list[float] | None = None  # per sample (GRPO), computed by the driver
     is_truncation: float = 2.0  # cap of the importance weights of stale samples (run.is_truncation)
 
 
 @dataclass
 class TrainReply:
-    metrics: dict
+    metrics: dict[str, float]
     seconds: float  # the optimizer step
     fetch_seconds: float  # pulling teacher rows from the object store
 
@@ -70,7 +78,7 @@ def _bucket_in_flight(sender, sent: int) -> str:
 class TrainerWorker:
     """Body of one trainer actor (made remote by `controller.groups`)."""
 
-    def __init__(self, cfg, rank: int, world_size: int):
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         # each actor sees only its own device(s): the local rank is 0
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 _TORCH_BUILT = ("gloo", "nccl")
-_STORES: dict[int, object] = {}  # id(group) -> its TCP store, which must outlive the group
+_STORES: dict[int, dist.Store] = {}  # id(group) -> its TCP store, which must outlive the group
 
 
 class PortInUseError(OSError):

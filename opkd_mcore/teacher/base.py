@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -34,7 +34,21 @@ class TeacherUnavailableError(TeacherError):
         self.address = address
 
 
-class Teacher(ABC):
+class SampleScorer(ABC):
+    """What a step's teacher stage scores with: a single `Teacher`, or a `TeacherRouter` that picks
+    a teacher per sample from the sample's per-prompt data."""
+
+    @abstractmethod
+    def score_samples(self, sequences: Sequence[Sequence[int]],
+                      data: Sequence[Mapping]) -> list[TeacherOutput]:
+        """One output per sequence, `len(seq) - 1` rows each; `data[i]` is sequence i's per-prompt
+        data (`data_source`, the routed `teacher`), one dict per sequence."""
+
+    def close(self) -> None:
+        """Release engines, servers or connections (no-op by default)."""
+
+
+class Teacher(SampleScorer):
     """A scoring backend. Implementations: VllmTeacher, RemoteVllmTeacher, MegatronTeacher,
     TransformersTeacher; TeacherRouter spreads samples over several of them."""
 
@@ -47,8 +61,10 @@ class Teacher(ABC):
     def score(self, sequences: Sequence[Sequence[int]]) -> list[TeacherOutput]:
         """One output per sequence, `len(seq) - 1` rows each."""
 
-    def close(self) -> None:
-        """Release engines, servers or connections (no-op by default)."""
+    def score_samples(self, sequences: Sequence[Sequence[int]],
+                      data: Sequence[Mapping]) -> list[TeacherOutput]:
+        """A single teacher scores every sample whatever its data says (routing happens above it)."""
+        return self.score(sequences)
 
 
 def check_sequences(sequences: Sequence[Sequence[int]], name: str = "sequences") -> list[list[int]]:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from opkd_mcore.teacher.base import (
+    SampleScorer,
     Teacher,
     TeacherOutput,
     TeacherUnavailableError,
@@ -86,7 +87,7 @@ class TeacherPool:
         return [r.peak_in_flight for r in self.replicas]
 
 
-class TeacherRouter:
+class TeacherRouter(SampleScorer):
     """Route each sample to the teacher named by `data[i][field]`.
 
     Args:
@@ -142,6 +143,11 @@ class TeacherRouter:
                     results[i] = out
         check_outputs(seqs, results, "teacher router")
         return results
+
+    def score_samples(self, sequences: Sequence[Sequence[int]],
+                      data: Sequence[Mapping]) -> list[TeacherOutput]:
+        """`score`: each sample goes to the teacher its data names."""
+        return self.score(sequences, data)
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -1,25 +1,43 @@
 """The in-order schedule: rollout -> teacher -> train -> weight sync, one step after another.
 
-`DistillationRun` holds the parts of a run (built by `entry.py` or the demo) and `step()` runs
-the four stages of `train/stages.py` in order. An overlapping controller replaces `step()` and
-reuses the stages.
+`DistillationRun` holds the parts of a run (built by `train/components.py: build_run`) and `step()`
+runs the four stages of `train/stages.py` in order and reports through `train/step_report.py`. The
+Ray controller overlaps the same stages and reports through the same functions.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed import ProcessGroup
 
 from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.data import PromptDataset, PromptSampler, encode_record
-from opkd_mcore.losses import HiddenTeacher, TopKTeacher
+from opkd_mcore.data.rewards import TaskRewards
+from opkd_mcore.engine.megatron_engine import MegatronEngine
 from opkd_mcore.platform import is_rank0
-from opkd_mcore.rollout import SamplingConfig
+from opkd_mcore.rollout import VllmRollout
 from opkd_mcore.rollout.vllm_rollout import sample_seed
+from opkd_mcore.teacher.base import SampleScorer
 from opkd_mcore.train import stages
 from opkd_mcore.train.checkpoint import TrainerState
-from opkd_mcore.train.samples_log import batch_records, default_teacher_name, draw_epochs
+from opkd_mcore.train.samples_log import SamplesLog, draw_epochs
+from opkd_mcore.train.step_report import (
+    prompt_groups,
+    rollout_metrics,
+    sample_records,
+    sampling_config,
+    step_metrics,
+)
 from opkd_mcore.train.teacher_setup import route_data
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from opkd_mcore.train.components import WeightSyncer  # it builds this class: a runtime cycle
 
 logger = logging.getLogger(__name__)
 
@@ -29,30 +47,25 @@ class DistillationRun:
     """Everything one step needs. `rollout` / `teacher` are None on ranks other than 0."""
 
     cfg: TrainConfig
-    engine: object  # MegatronEngine of the student
-    chunks: list  # the student's Megatron chunks on this rank
-    rollout: object | None  # VllmRollout
-    teacher: object | None  # Teacher or TeacherRouter
-    syncer: object  # components.WeightSyncer
-    tokenizer: object
+    engine: MegatronEngine  # the student
+    chunks: list[torch.nn.Module]  # the student's Megatron chunks on this rank
+    rollout: VllmRollout | None
+    teacher: SampleScorer | None  # None also when the teacher runs inside the student's step
+    syncer: WeightSyncer
+    tokenizer: PreTrainedTokenizerBase
     dataset: PromptDataset
     sampler: PromptSampler
     shard: stages.ShardLayout
-    tp_group: object = None
+    tp_group: ProcessGroup | None = None
     state: TrainerState = field(default_factory=TrainerState)
-    rewards: object = None  # data.rewards.TaskRewards when the loss uses task rewards
-    samples_log: object = None  # train.samples_log.SamplesLog (rank 0 writes samples.jsonl); None: off
+    rewards: TaskRewards | None = None  # when the loss uses task rewards
+    samples_log: SamplesLog | None = None  # rank 0 writes samples.jsonl; None: off
 
     def prompts(self) -> stages.PromptBatch:
         """The next prompts (same on every rank: the sampler is seeded and stepped everywhere),
         each with its own sampling seed (from the run's seed, the step and its place in the batch)."""
         return encode_prompts(self.cfg, self.tokenizer, self.dataset, self.sampler.next_batch(),
                               self.state.step)
-
-    def sampling(self) -> SamplingConfig:
-        ro = self.cfg.rollout
-        return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                              max_new_tokens=ro.max_new_tokens)
 
     def step(self) -> dict[str, float]:
         """One full step; returns its metrics (same on every rank)."""
@@ -61,7 +74,7 @@ class DistillationRun:
         prompts = self.prompts()
         scored = None
         if is_rank0():
-            rolled = stages.rollout_stage(self.rollout, prompts, self.sampling())
+            rolled = stages.rollout_stage(self.rollout, prompts, sampling_config(self.cfg))
             scored = stages.teacher_stage(self.teacher, rolled)
             timings = {"timing/rollout": rolled.seconds, "timing/teacher": scored.seconds}
             if self.rewards is not None:
@@ -77,25 +90,23 @@ class DistillationRun:
             self.state.weight_version += 1
         self.state.sampler = self.sampler.state_dict()
         step_s = time.perf_counter() - start
-        metrics = {**result.metrics, **timings, **rollout_metrics(scored)}
-        metrics.update({"timing/train": result.seconds, "timing/weight_sync": sync_s,
-                        "timing/step": step_s, "rollout/weight_version": float(self.state.weight_version),
-                        "perf/tokens_per_s": metrics["rollout/response_tokens"] / max(step_s, 1e-9)})
-        return metrics
+        return step_metrics({**result.metrics, **timings, **rollout_metrics(scored)},
+                            train_s=result.seconds, sync_s=sync_s, step_s=step_s,
+                            weight_version=self.state.weight_version)
 
-    def _log_samples(self, prompts: stages.PromptBatch, drawn_from: dict, scored: stages.ScoredBatch) -> None:
+    def _log_samples(self, prompts: stages.PromptBatch, drawn_from: dict[str, int],
+                     scored: stages.ScoredBatch) -> None:
         """One samples.jsonl line per trained sample (the in-order schedule drops nothing)."""
         if self.samples_log is None:
             return
-
         epochs = draw_epochs(drawn_from, len(self.dataset), len(prompts.indices))
-        self.samples_log.write(batch_records(
-            self.state.step, prompts.indices, epochs, scored.samples, self.state.weight_version,
-            default_teacher_name(self.cfg.teacher.teachers)))
+        groups = prompt_groups(prompts.indices, epochs, scored.samples)
+        self.samples_log.write(sample_records(self.state.step, groups, self.state.weight_version,
+                                              self.cfg.teacher.teachers))
 
 
-def encode_prompts(cfg: TrainConfig, tokenizer, dataset: PromptDataset, indices: list[int],
-                   batch_number: int) -> stages.PromptBatch:
+def encode_prompts(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, dataset: PromptDataset,
+                   indices: list[int], batch_number: int) -> stages.PromptBatch:
     """Token ids, routed data and sampling seeds of the prompts `indices`, drawn as batch
     `batch_number` (the step, in order); the Ray controller draws its prompts through this too."""
     data = [route_data(cfg, {"data_source": dataset.data_source(i), "answer": dataset.answer(i),
@@ -103,32 +114,3 @@ def encode_prompts(cfg: TrainConfig, tokenizer, dataset: PromptDataset, indices:
     ids = [encode_record(tokenizer, dataset, i, cfg.data.chat_template) for i in indices]
     seeds = [sample_seed(cfg.rollout.seed, batch_number, j) for j in range(len(indices))]
     return stages.PromptBatch(indices=list(indices), prompt_ids=ids, data=data, seeds=seeds)
-
-
-def rollout_metrics(scored: stages.ScoredBatch) -> dict[str, float]:
-    """Response length stats, stop fraction and teacher/student agreement of one step's samples."""
-    lengths = [len(s.response_ids) for s in scored.samples]
-    stopped = [s.finish_reason == "stop" for s in scored.samples]
-    agree = total = 0
-    for sample, rows in zip(scored.samples, scored.teacher):
-        # scored inside the student's step, or hidden states whose logits exist only in the fused
-        # LM-head loss: the loss measures agreement there
-        if rows is None or isinstance(rows, HiddenTeacher):
-            continue
-        if not isinstance(rows, TopKTeacher):
-            top1 = rows.logits.argmax(-1)
-        else:
-            top1 = rows.ids[:, 0]
-        start = len(sample.prompt_ids) - 1
-        for t, token in enumerate(sample.response_ids):
-            agree += int(top1[start + t]) == token
-            total += 1
-    return {
-        "rollout/response_len_mean": sum(lengths) / len(lengths),
-        "rollout/response_len_max": float(max(lengths)),
-        "rollout/response_len_min": float(min(lengths)),
-        "rollout/stop_fraction": sum(stopped) / len(stopped),
-        "rollout/response_tokens": float(sum(lengths)),
-        "rollout/num_samples": float(len(lengths)),
-        **({"teacher/top1_agreement": agree / total} if total else {}),
-    }

@@ -75,21 +75,6 @@ def default_teacher_name(teachers) -> str | None:
     return next((t.name for t in teachers if not t.data_sources), None)
 
 
-def batch_records(step: int, indices: list[int], epochs: list[int], samples, version_trained: int,
-                  default_teacher: str | None) -> list[SampleRecord]:
-    """Records of one trained batch: samples prompt-major, `sample.group_id` = position in `indices`."""
-    seen: Counter = Counter()
-    records = []
-    for s in samples:
-        j = s.group_id
-        records.append(SampleRecord(step=step, prompt_index=indices[j], epoch=epochs[j],
-                                    sample_index=seen[j], version_generated=s.weight_version,
-                                    version_trained=version_trained,
-                                    teacher=s.data.get("teacher", default_teacher)))
-        seen[j] += 1
-    return records
-
-
 @dataclass
 class Audit:
     """What `audit` found; `ok` when nothing was trained twice and every trained group is whole."""

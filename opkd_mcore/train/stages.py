@@ -13,18 +13,27 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from opkd_mcore.config.schema import LossSection, ParallelSection
-from opkd_mcore.data.rewards import group_advantages
+from opkd_mcore.data.rewards import TaskRewards, group_advantages
+from opkd_mcore.engine.megatron_engine import MegatronEngine
 from opkd_mcore.engine.micro_batches import micro_batch_groups
 from opkd_mcore.engine.packing import PackedBatch, pack_sequences
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, teacher_confidence_scores, teacher_confidence_weights
 from opkd_mcore.losses.teacher_outputs import PAD_ID, HiddenTeacher
-from opkd_mcore.rollout import Sample, SamplingConfig
+from opkd_mcore.rollout import Sample, SamplingConfig, VllmRollout
+from opkd_mcore.teacher.base import SampleScorer, TeacherOutput
 from opkd_mcore.train.objective import StepCounts, make_loss_fn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from opkd_mcore.train.components import WeightSyncer  # it imports this module: a runtime cycle
 
 
 @dataclass
@@ -52,7 +61,7 @@ class ScoredBatch:
     None when the teacher scores inside the student's step), and optional task-reward advantages."""
 
     samples: list[Sample]
-    teacher: list  # list[TopKTeacher | DenseTeacher | None]
+    teacher: list[TeacherOutput | None]
     seconds: float = 0.0
     task_advantages: list[float] | None = None  # one per sample (GRPO, group-normalised)
 
@@ -65,27 +74,24 @@ class TrainResult:
     seconds: float = 0.0
 
 
-def rollout_stage(rollout, prompts: PromptBatch, sampling: SamplingConfig) -> RolloutBatch:
+def rollout_stage(rollout: VllmRollout, prompts: PromptBatch, sampling: SamplingConfig) -> RolloutBatch:
     start = time.perf_counter()
     samples = rollout.generate(prompts.prompt_ids, sampling, data=prompts.data, seeds=prompts.seeds)
     return RolloutBatch(samples=samples, seconds=time.perf_counter() - start)
 
 
-def teacher_stage(teacher, batch: RolloutBatch) -> ScoredBatch:
-    """Score every sample's prompt+response; `teacher` is a Teacher or a TeacherRouter, or None
-    when the teacher runs inside the student's step (rows stay None)."""
+def teacher_stage(teacher: SampleScorer | None, batch: RolloutBatch) -> ScoredBatch:
+    """Score every sample's prompt+response with its data (a router picks the teacher by it);
+    `teacher` None when the teacher runs inside the student's step (rows stay None)."""
     start = time.perf_counter()
     if teacher is None:
         return ScoredBatch(samples=batch.samples, teacher=[None] * len(batch.samples))
-    sequences = [s.sequence for s in batch.samples]
-    if hasattr(teacher, "teacher_of"):  # a router takes the per-sample data for routing
-        rows = teacher.score(sequences, [s.data for s in batch.samples])
-    else:
-        rows = teacher.score(sequences)
+    rows = teacher.score_samples([s.sequence for s in batch.samples], [s.data for s in batch.samples])
     return ScoredBatch(samples=batch.samples, teacher=rows, seconds=time.perf_counter() - start)
 
 
-def reward_stage(scored: ScoredBatch, rewards, tokenizer) -> dict[str, float]:
+def reward_stage(scored: ScoredBatch, rewards: TaskRewards,
+                 tokenizer: PreTrainedTokenizerBase) -> dict[str, float]:
     """Task rewards of the samples and their group-normalised advantages (into `scored`)."""
     values = [rewards.score(tokenizer.decode(s.response_ids, skip_special_tokens=True), s.data)
               for s in scored.samples]
@@ -198,8 +204,8 @@ def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLa
     return batches, counts
 
 
-def train_stage(engine, scored: ScoredBatch, loss: LossSection, par: ParallelSection,
-                shard: ShardLayout, tp_group=None,
+def train_stage(engine: MegatronEngine, scored: ScoredBatch, loss: LossSection, par: ParallelSection,
+                shard: ShardLayout, tp_group: ProcessGroup | None = None,
                 sequence_weights: torch.Tensor | None = None) -> TrainResult:
     """One optimizer step of the student on the scored samples. `sequence_weights` (one per sample,
     e.g. the Ray controller's truncated importance weights of stale samples) multiply the
@@ -216,7 +222,7 @@ def train_stage(engine, scored: ScoredBatch, loss: LossSection, par: ParallelSec
     return TrainResult(metrics=metrics, seconds=time.perf_counter() - start)
 
 
-def weight_sync_stage(syncer, version: int) -> float:
+def weight_sync_stage(syncer: WeightSyncer, version: int) -> float:
     """Push the student's weights (as `version`) into the rollout engine; returns seconds taken."""
     start = time.perf_counter()
     syncer.sync(version)
