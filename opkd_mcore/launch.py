@@ -24,28 +24,32 @@ def parse_args(argv):
     p.add_argument("--config", required=True, help="YAML run config (see configs/)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--overwrite", action="store_true",
-                   help="start afresh, deleting the checkpoints in output_dir (= run.overwrite=true)")
+                   help="start afresh, removing an earlier run's output in output_dir (checkpoints/, "
+                        "metrics.jsonl, samples.jsonl, student_hf/, config.yaml, tensorboard/; nothing else)")
     p.add_argument("--export-only", action="store_true",
                    help="load the latest checkpoint, write <output_dir>/student_hf, and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loss.divergence=jsd")
     return p.parse_args(argv)
 
 
-def train(cfg, *, resume: bool = False, export_only: bool = False, step_hook=None) -> list[dict]:
+def train(cfg, *, resume: bool = False, export_only: bool = False, overwrite: bool = False,
+          step_hook=None) -> list[dict]:
     """Run (or continue) the distillation of `cfg` with its controller; returns the per-step metrics.
-    `step_hook(run, step) -> dict` adds metrics after each step (SPMD only: the demo's evaluation)."""
+    `overwrite`: a fresh run replaces an earlier run's output in `run.output_dir` (never part of a
+    config: one command line asks for it). `step_hook(run, step) -> dict` adds metrics after each
+    step (SPMD only: the demo's evaluation)."""
     if cfg.controller.kind == "ray":
         if step_hook is not None:
             raise ValueError("step_hook: the Ray controller's steps run in actors; no hook reaches them")
-        return train_with_ray(cfg, resume=resume, export_only=export_only)
-    return train_spmd(cfg, resume=resume, export_only=export_only, step_hook=step_hook)
+        return train_with_ray(cfg, resume=resume, export_only=export_only, overwrite=overwrite)
+    return train_spmd(cfg, resume=resume, export_only=export_only, overwrite=overwrite, step_hook=step_hook)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, args.overrides + (["run.overwrite=true"] if args.overwrite else []))
+        cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as err:
         # a config problem is the user's to fix: the message names the key, a traceback adds nothing
         print(f"opkd train: error: {err}", file=sys.stderr)
@@ -53,7 +57,7 @@ def main(argv=None) -> int:
     if is_rank0():
         print(dump_config(cfg))
     try:
-        train(cfg, resume=args.resume, export_only=args.export_only)
+        train(cfg, resume=args.resume, export_only=args.export_only, overwrite=args.overwrite)
     except ConfigError as err:  # raised before anything started or changed (ResumeError, loss.impl)
         print(f"opkd train: error: {err}", file=sys.stderr)
         return 2

@@ -287,7 +287,7 @@ def test_range_boundaries_are_accepted(base):
         "data.num_eval=0", "data.seed=0", "run.seed=0", "loss.pg_coef=0.0",
         "loss.confidence_alpha=0.0", "data.task_digits=1", "data.num_train=100",
         "data.rewards={addition: exact_match, code: 'my_pkg.rewards:score'}",
-        "data.chat_template=none", "weight_sync.host=node-1.cluster", "run.overwrite=true",
+        "data.chat_template=none", "weight_sync.host=node-1.cluster",
         "logging.console_every=0", "optim.lr_decay_steps=5", "teacher.teachers.0.dtype=float32"])
     assert cfg.rollout.top_k == -1 and cfg.teacher.teachers[0].dtype == "float32" and cfg.data.rewards["code"] == "my_pkg.rewards:score"
     assert load_config(base, ["rollout.top_k=1"]).rollout.top_k == 1

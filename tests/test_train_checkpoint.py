@@ -101,8 +101,9 @@ def test_fresh_run_refuses_a_directory_holding_checkpoints(tmp_path):
     with pytest.raises(ConfigError) as err:
         ckpt.prepare_run_dir(cfg, resume=False)
     msg = str(err.value)
-    assert ckpt.checkpoint_root(str(tmp_path)) in msg and "--resume" in msg and "--overwrite" in msg
-    assert "run.overwrite=true" in msg
+    assert str(tmp_path) in msg and "checkpoints" in msg and "metrics.jsonl" in msg
+    assert "--resume" in msg and "--overwrite" in msg
+    assert "run.overwrite" not in msg  # one command line's flag, never a config key
     assert _tree(tmp_path) == before
 
 
@@ -113,10 +114,10 @@ def test_fresh_run_accepts_a_missing_or_empty_checkpoint_directory(tmp_path):
 
 
 def test_overwrite_removes_old_checkpoints_and_metrics(tmp_path):
-    cfg = _cfg(tmp_path, overwrite=True)
+    cfg = _cfg(tmp_path)
     _save(cfg, 2)
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
-    assert ckpt.prepare_run_dir(cfg, resume=False) is None
+    assert ckpt.prepare_run_dir(cfg, resume=False, overwrite=True) is None
     assert not os.path.exists(ckpt.checkpoint_root(str(tmp_path)))
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
@@ -263,7 +264,7 @@ def test_resume_refuses_config_changes_that_change_the_math(tmp_path):
 def test_resume_logs_operational_changes(tmp_path, caplog):
     cfg = _cfg(tmp_path)
     _save(cfg, 2)
-    changed = _cfg(tmp_path, steps=20, overwrite=True)
+    changed = _cfg(tmp_path, steps=20)
     changed.logging.console_every = 5
     changed.checkpoint.keep_last = 3
     changed.parallel.tp = 2
@@ -275,7 +276,7 @@ def test_resume_logs_operational_changes(tmp_path, caplog):
     text = caplog.text
     for key in ("run.steps: 10 in the checkpoint, 20 now", "logging.console_every", "checkpoint.keep_last",
                 "parallel.tp: 1 in the checkpoint, 2 now", "weight_sync.bucket_mb",
-                "rollout.gpu_memory_utilization", "teacher.teachers.0.url", "run.overwrite"):
+                "rollout.gpu_memory_utilization", "teacher.teachers.0.url"):
         assert key in text, (key, text)
 
 

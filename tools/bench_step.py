@@ -88,7 +88,7 @@ def config_overrides(args, student: str, teacher: str, out: str) -> list[str]:
         f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}", "data.num_train=512",
         "logging.progress_bar=false", "logging.console_every=0", "logging.jsonl=false",
         "checkpoint.save_at_end=false", "checkpoint.export_hf_at_end=false", f"run.steps={args.steps}",
-        f"run.output_dir={out}", "run.overwrite=true", "controller.kind=ray",
+        f"run.output_dir={out}", "controller.kind=ray",
         f"controller.rollout_engines={args.engines}",
         f"controller.teachers_with_rollout={str(args.teachers_with_rollout).lower()}",
         f"run.max_staleness={args.max_staleness}", *args.overrides]

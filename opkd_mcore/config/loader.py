@@ -20,6 +20,12 @@ from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.config.validate import validate_config
 
+# Keys no config may set, with why: intents of one command line, which a saved config would carry
+# into every later run that reads it.
+COMMAND_LINE_ONLY = {
+    "run.overwrite": "overwriting is asked for on the command line with --overwrite, never in a config file",
+}
+
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
@@ -149,6 +155,8 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
         path = path.strip()
         if path.startswith("+"):
             raise ConfigError(f"{path}: '+key' overrides are not supported; name an existing key")
+        if path in COMMAND_LINE_ONLY:
+            raise ConfigError(f"{path}: {COMMAND_LINE_ONLY[path]}")
         _set_path(tree, path, yaml.safe_load(raw) if raw.strip() else "", defaults)
     return tree
 
@@ -162,11 +170,19 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
             tree = yaml.safe_load(f) or {}
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
+        _refuse_command_line_keys(tree, path)
     tree = apply_overrides(tree, list(overrides or []))
     cfg = from_dict(TrainConfig, tree)
     if validate:
         validate_config(cfg, check_files=check_files)
     return cfg
+
+
+def _refuse_command_line_keys(tree: dict, file: str) -> None:
+    for key, why in COMMAND_LINE_ONLY.items():
+        section, name = key.split(".")
+        if isinstance(tree.get(section), dict) and name in tree[section]:
+            raise ConfigError(f"{key}: {why} (remove it from {file})")
 
 
 def dump_config(cfg, path: str | None = None) -> str:

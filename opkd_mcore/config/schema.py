@@ -254,7 +254,6 @@ class RunSection:
     in_flight_update: str = "finish"  # async: generations in flight at a weight update finish on the old weights | abort_resume
     partial_rollout_tokens: int = 8  # abort_resume: tokens per engine call; an update waits at most one such chunk
     device: str | None = None  # one of opkd_mcore.platform.DEVICE_TYPES; None = auto-detect
-    overwrite: bool = False  # a fresh run may replace an output_dir that already holds checkpoints
 
 
 @dataclass(kw_only=True)

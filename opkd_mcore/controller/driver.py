@@ -61,8 +61,10 @@ class RayController:
     prompts}, "teacher_submitted" {teacher, replica, step, chunk}, "step_done" {step, metrics}."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, export_only: bool = False,
-                 groups: WorkerGroups | None = None, on_event: Callable[[str, dict], None] | None = None):
+                 overwrite: bool = False, groups: WorkerGroups | None = None,
+                 on_event: Callable[[str, dict], None] | None = None):
         self.cfg, self.resume, self.export_only = cfg, resume or export_only, export_only
+        self.overwrite = overwrite  # a fresh run replaces an earlier run's output in run.output_dir
         self.on_event = on_event
         self.owns_groups = groups is None
         if groups is not None:
@@ -130,7 +132,8 @@ class RayController:
     def run(self) -> list[dict]:
         cfg, out = self.cfg, self.cfg.run.output_dir
         self.config_yaml = dump_config(cfg)
-        prepare_run_dir(cfg, resume=self.resume and not self.export_only, export_only=self.export_only)
+        prepare_run_dir(cfg, resume=self.resume and not self.export_only, export_only=self.export_only,
+                        overwrite=self.overwrite)
         queue = self._data()
         if self.groups is None:
             self.groups = WorkerGroups(cfg, launch_world_size(cfg))
@@ -298,7 +301,8 @@ class RayController:
         return time.perf_counter() - start
 
 
-def train_with_ray(cfg: TrainConfig, *, resume: bool = False, export_only: bool = False) -> list[dict]:
+def train_with_ray(cfg: TrainConfig, *, resume: bool = False, export_only: bool = False,
+                   overwrite: bool = False) -> list[dict]:
     """`opkd train` with `controller.kind: ray`: attach to the cluster of `RAY_ADDRESS` (as under
     `ray job submit`), else start a local one that declares enough CPUs for every actor."""
     import ray
@@ -314,7 +318,7 @@ def train_with_ray(cfg: TrainConfig, *, resume: bool = False, export_only: bool 
                      num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(cfg, launch_world_size(cfg)))))
         started = True
     try:
-        return RayController(cfg, resume=resume, export_only=export_only).run()
+        return RayController(cfg, resume=resume, export_only=export_only, overwrite=overwrite).run()
     except TrainerDied as err:
         logger.error("%s", err)
         raise

@@ -1,4 +1,6 @@
-"""`opkd demo [--quick] [--out DIR]`: on-policy distillation end to end on a CPU, nothing downloaded.
+"""`opkd demo [--quick] [--out DIR] [--overwrite]`: on-policy distillation end to end on a CPU.
+
+Nothing is downloaded.
 
 1. a synthetic exact-answer task (fixed-width addition, `data/addition.py`);
 2. a teacher trained on it supervised with the Megatron engine, exported to HF (`teacher_hf/`);
@@ -19,10 +21,11 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
-from opkd_mcore.config import TrainConfig, load_config
+from opkd_mcore.config import ConfigError, TrainConfig, load_config
 from opkd_mcore.config.schema import OptimSection
 from opkd_mcore.data import ALPHABET, AdditionTask, encode_prompt
 from opkd_mcore.demo.evaluate import (
@@ -40,9 +43,17 @@ from opkd_mcore.models import save_hf_checkpoint
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from opkd_mcore.platform.device import DEVICE_TYPES, is_cpu
 from opkd_mcore.platform.parallel import destroy_parallel
+from opkd_mcore.train.checkpoint import RUN_ARTIFACTS, find_artifacts, remove_artifacts
 from opkd_mcore.train.components import build_student, init_distributed
 
 logger = logging.getLogger(__name__)
+
+# What the demo writes into --out besides the distillation run's own output (`RUN_ARTIFACTS`):
+# a directory holding any of them is refused, and --overwrite removes exactly these and those.
+DEMO_ARTIFACTS = ("teacher_init", "teacher_hf", ".teacher_hf.tmp-*", ".teacher_hf.old-*", "student_init",
+                  "eval.jsonl", "teacher_sft.jsonl", "summary.json", "distill.png")
+
+
 def demo_config_path() -> str:
     """The demo's distillation config, `demo_cpu.yaml` beside this module (package data)."""
     from importlib.resources import files
@@ -88,6 +99,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="opkd demo", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small and short (CI): 1-digit addition")
     p.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier demo's output in --out (only the files a demo writes)")
     p.add_argument("--device", default=None, choices=DEVICE_TYPES,
                    help="where the teacher SFT, the student and the vLLM engines run (default: auto-detect)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the distillation config")
@@ -164,13 +177,31 @@ def distill(cfg, held_out: list[dict], demo: DemoConfig) -> list[dict]:
     return train(cfg, step_hook=evaluate)
 
 
-def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = None) -> dict:
+def prepare_demo_dir(out: str, overwrite: bool) -> None:
+    """Refuse an `out` holding an earlier demo's or run's output, or with `overwrite` remove exactly
+    that output; before anything is built."""
+    patterns = DEMO_ARTIFACTS + RUN_ARTIFACTS
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out: {out} is an existing file; expected a directory")
+    found = find_artifacts(out, patterns)
+    if found and not overwrite:
+        raise ConfigError(f"--out: {out} holds an earlier demo's or run's output ({', '.join(found)}); "
+                          "replace it with --overwrite (nothing else in the directory is touched), or "
+                          "choose another --out")
+    if overwrite:
+        remove_artifacts(out, patterns)
+
+
+def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = None, *,
+             overwrite: bool = False) -> dict:
+    """The demo into `out`; `overwrite` replaces an earlier demo's output there."""
     start = time.perf_counter()
     out = os.path.abspath(out)
+    prepare_demo_dir(out, overwrite)
     paths = {name: os.path.join(out, name) for name in ("teacher_init", "teacher_hf", "student_init",
                                                         "student_hf")}
     overrides = [f"model.student={paths['student_init']}", f"teacher.teachers.0.model={paths['teacher_hf']}",
-                 f"run.output_dir={out}", "run.overwrite=true", f"data.task_digits={demo.digits}",
+                 f"run.output_dir={out}", f"data.task_digits={demo.digits}",
                  f"data.num_eval={demo.num_eval}", *demo.overrides]
     user = list(extra_overrides or [])  # always last: they win
     cfg = load_config(demo_config_path(), overrides + user, validate=False)
@@ -230,7 +261,11 @@ def main(argv=None) -> int:
     if args.device:
         os.environ["OPKD_DEVICE"] = args.device  # the teacher SFT and every engine follow it
         overrides.insert(0, f"run.device={args.device}")
-    run_demo(demo, args.out, overrides)
+    try:
+        run_demo(demo, args.out, overrides, overwrite=args.overwrite)
+    except ConfigError as err:  # the message names the option or key; a traceback adds nothing
+        print(f"opkd demo: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -9,7 +9,8 @@
   gathered, fused QKV / gate-up split back, vocab padding removed; "local" = this PP stage's tensors
   that this rank can produce (the shared ones and its own EP rank's experts), "all" = every tensor on
   every rank (experts broadcast over the EP group, then stages over the PP group).
-* `save_hf_checkpoint`: rank 0 writes sharded safetensors + index + config + tokenizer files.
+* `save_hf_checkpoint`: rank 0 writes sharded safetensors + index + config + tokenizer files into a
+  directory beside the target and swaps it in once complete.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from opkd_mcore.models.bridge import TensorRule
 from opkd_mcore.models.builder import ModelLayout, layout_of, unwrap
 from opkd_mcore.platform import current_device
+from opkd_mcore.platform.durable import replace_dir, staging_dir
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -409,7 +411,13 @@ def _copy_side_files(src_hf_dir: str, out_dir: str) -> None:
 
 def save_hf_checkpoint(model_chunks, out_dir: str, *, src_hf_dir: str | None = None,
                        max_shard_bytes: int = 4 << 30, progress: bool = True) -> None:
-    """Write the model as an HF checkpoint: collective over all ranks, rank 0 writes the files."""
+    """Write the model as an HF checkpoint: collective over all ranks, rank 0 writes the files.
+
+    The files go to a directory beside `out_dir` (`.<name>.tmp-<pid>`) that replaces it once every
+    file is written and fsynced (`platform.durable.replace_dir`): a crash mid-export leaves the
+    previous export whole, never an index naming a mix of old and new shards. Only the writer rank
+    touches the filesystem; the others stream their tensors to it and wait at the closing barrier.
+    """
     from safetensors.torch import save_file
 
     metadata = hf_weight_metadata(model_chunks)
@@ -419,26 +427,42 @@ def save_hf_checkpoint(model_chunks, out_dir: str, *, src_hf_dir: str | None = N
     for i, names in enumerate(shards):
         for name in names:
             file_of[name] = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    if writer:
-        os.makedirs(out_dir, exist_ok=True)
-    stream = iter_hf_weights(model_chunks, stages="all")
-    if writer and progress:
-        from tqdm import tqdm
+    staging = _start_staging(out_dir) if writer else None
+    try:
+        stream = iter_hf_weights(model_chunks, stages="all")
+        if writer and progress:
+            from tqdm import tqdm
 
-        stream = tqdm(stream, total=len(metadata), desc="save HF checkpoint", unit="tensor")
-    buffer: dict[str, torch.Tensor] = {}
-    shard_idx = 0
-    for name, tensor in stream:
-        if not writer:
-            continue
-        buffer[name] = tensor.detach().to("cpu").contiguous()
-        if len(buffer) == len(shards[shard_idx]):
-            save_file(buffer, os.path.join(out_dir, file_of[name]), metadata={"format": "pt"})
-            buffer, shard_idx = {}, shard_idx + 1
-    if writer:
-        _write_index_and_config(model_chunks, out_dir, metadata, file_of, src_hf_dir)
+            stream = tqdm(stream, total=len(metadata), desc="save HF checkpoint", unit="tensor")
+        buffer: dict[str, torch.Tensor] = {}
+        shard_idx = 0
+        for name, tensor in stream:
+            if not writer:
+                continue
+            buffer[name] = tensor.detach().to("cpu").contiguous()
+            if len(buffer) == len(shards[shard_idx]):
+                save_file(buffer, os.path.join(staging, file_of[name]), metadata={"format": "pt"})
+                buffer, shard_idx = {}, shard_idx + 1
+        if writer:
+            _write_index_and_config(model_chunks, staging, metadata, file_of, src_hf_dir)
+            replace_dir(staging, out_dir)
+    except BaseException:
+        if staging is not None:  # our own partial files; the previous export is untouched
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     if dist.is_initialized():
         dist.barrier()
+
+
+def _start_staging(out_dir: str) -> str:
+    """A new, empty staging directory beside `out_dir` (a leftover of this pid's is ours to clear)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir}: exists and is not a directory; an HF export replaces a directory")
+    staging = staging_dir(out_dir)
+    if os.path.lexists(staging):
+        shutil.rmtree(staging)
+    os.makedirs(staging)
+    return staging
 
 
 def _write_index_and_config(model_chunks, out_dir, metadata, file_of, src_hf_dir) -> None:

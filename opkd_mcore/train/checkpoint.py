@@ -11,9 +11,12 @@ Every file is fsynced before `latest` names its checkpoint, and `latest` is repl
 (after every rank has finished), so a run killed mid-save, or a machine losing power, resumes from
 the previous complete checkpoint.
 
-Before anything starts, `prepare_run_dir` decides what the output directory means: a fresh run
-refuses one that already holds checkpoints (unless `run.overwrite`), `--resume` needs a checkpoint,
-and a resumed config may change only settings that leave the results unchanged.
+Before anything starts, `check_run_dir` decides what the output directory means, modifying nothing:
+a fresh run refuses one that holds an earlier run's output (`RUN_ARTIFACTS`) unless `--overwrite`,
+`--resume` needs a complete checkpoint (the newest one, when `latest` names a missing or incomplete
+one), and a resumed config may change only settings that leave the results unchanged.
+`prepare_run_dir` checks, then acts: `--overwrite` removes exactly `RUN_ARTIFACTS`, and a dangling
+`latest` is repaired. Nothing else in this package deletes anything in the output directory.
 """
 from __future__ import annotations
 
@@ -32,13 +35,25 @@ import yaml
 from opkd_mcore.config import ConfigError, from_dict, to_dict
 from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.platform import global_rank
+from opkd_mcore.platform.durable import fsync_path, fsync_tree
 from opkd_mcore.platform.rng_state import capture_rng_states, restore_rng_states
-from opkd_mcore.train.metrics import METRICS_FILE
+from opkd_mcore.train.metrics import METRICS_FILE, TENSORBOARD_DIR
+from opkd_mcore.train.samples_log import SAMPLES_FILE
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 STEP_PREFIX = "step_"
+STATE_FILE = "trainer_state.json"
+ENGINE_DIR = "engine"
+EXPORT_DIR = "student_hf"  # the final student as an HF checkpoint
+# Everything a run writes into its output directory (fnmatch patterns), and so everything
+# `--overwrite` removes: the export's staging directories and the JSONL files' truncation copies
+# that a killed run leaves behind are its own too. A fresh run refuses a directory holding any.
+RUN_ARTIFACTS = (
+    "checkpoints", METRICS_FILE, f"{METRICS_FILE}.tmp", SAMPLES_FILE, f"{SAMPLES_FILE}.tmp",
+    EXPORT_DIR, f".{EXPORT_DIR}.tmp-*", f".{EXPORT_DIR}.old-*", "config.yaml", TENSORBOARD_DIR,
+)
 
 
 class ResumeError(ConfigError):
@@ -66,15 +81,6 @@ def checkpoint_root(output_dir: str) -> str:
 # ------------------------------------------------------------------ durable writes
 
 
-def _fsync_path(path: str) -> None:
-    """fsync a file or directory (a directory's fsync makes the names created in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_text(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -89,21 +95,12 @@ def _save_torch(obj, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_tree(root: str) -> None:
-    """fsync what this rank can see under `root`, files before the directories holding them.
-    Megatron fsyncs the shards it writes; this covers its small metadata files and the names."""
-    for here, _, files in os.walk(root, topdown=False):
-        for name in files:
-            _fsync_path(os.path.join(here, name))
-        _fsync_path(here)
-
-
 def _point_latest(root: str, name: str) -> None:
     """Make `root/latest` name `name`: write a temporary file, fsync, rename, fsync the directory."""
     tmp = os.path.join(root, LATEST + ".tmp")
     _write_text(tmp, name)
     os.replace(tmp, os.path.join(root, LATEST))
-    _fsync_path(root)
+    fsync_path(root)
 
 
 # ------------------------------------------------------------------ save
@@ -120,16 +117,17 @@ def save_checkpoint(output_dir: str, engine, state: TrainerState, config_yaml: s
             shutil.rmtree(path)
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
-    engine.save_checkpoint(os.path.join(path, "engine"))
+    engine.save_checkpoint(os.path.join(path, ENGINE_DIR))
     _save_torch(capture_rng_states(), os.path.join(path, "rng", f"rank_{global_rank():05d}.pt"))
-    if global_rank() == 0:
-        _write_text(os.path.join(path, "trainer_state.json"), json.dumps(asdict(state), indent=2))
-        _write_text(os.path.join(path, "config.yaml"), config_yaml)
     _barrier()
     if global_rank() == 0:
-        _fsync_tree(os.path.join(path, "engine"))
-        _fsync_path(os.path.join(path, "rng"))
-        _fsync_path(path)
+        # trainer_state.json last, once every rank's part is durable: a directory holding it is a
+        # complete checkpoint, which is what resume falls back to when `latest` is dangling
+        fsync_tree(os.path.join(path, ENGINE_DIR))
+        fsync_path(os.path.join(path, "rng"))
+        _write_text(os.path.join(path, "config.yaml"), config_yaml)
+        _write_text(os.path.join(path, STATE_FILE), json.dumps(asdict(state), indent=2))
+        fsync_path(path)
         _point_latest(root, name)
         _prune(root, keep_last, name)
     _barrier()
@@ -158,59 +156,148 @@ def _prune(root: str, keep_last: int, latest: str) -> None:
 # ------------------------------------------------------------------ find / check before a run
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    """Path of the newest complete checkpoint, or None."""
-    marker = os.path.join(checkpoint_root(output_dir), LATEST)
-    if not os.path.isfile(marker):
+def _is_complete(path: str) -> bool:
+    """A checkpoint directory whose engine part and trainer state were both written (`save_checkpoint`
+    writes the state last, once every rank's part is durable)."""
+    if not os.path.isdir(os.path.join(path, ENGINE_DIR)):
+        return False
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            return isinstance(json.load(f), dict)
+    except (OSError, ValueError):  # missing, or torn by a kill mid-write
+        return False
+
+
+def _pointed(output_dir: str) -> str | None:
+    """The checkpoint `latest` names (complete or not), or None without a pointer."""
+    try:
+        with open(os.path.join(checkpoint_root(output_dir), LATEST)) as f:
+            name = f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    with open(marker) as f:
-        path = os.path.join(checkpoint_root(output_dir), f.read().strip())
-    return path if os.path.isfile(os.path.join(path, "trainer_state.json")) else None
+    return os.path.join(checkpoint_root(output_dir), name) if name else None
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """Path of the checkpoint to continue from: the one `latest` names when it is complete, else the
+    newest complete one (by step), else None. Reads only; `prepare_run_dir` repairs the pointer."""
+    pointed = _pointed(output_dir)
+    if pointed is not None and _is_complete(pointed):
+        return pointed
+    root = checkpoint_root(output_dir)
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    complete = [(step, name) for name in names
+                if (step := _step_of(name)) is not None and _is_complete(os.path.join(root, name))]
+    return os.path.join(root, max(complete)[1]) if complete else None
 
 
 def require_checkpoint(output_dir: str, flag: str = "--resume") -> str:
     """The checkpoint `flag` continues from; `ResumeError` naming the directory when there is none."""
     path = latest_checkpoint(output_dir)
     if path is None:
-        raise ResumeError(f"{flag}: no complete checkpoint under {checkpoint_root(output_dir)} (its "
-                          f"`{LATEST}` pointer is missing or names no checkpoint with trainer_state.json); "
-                          "start a fresh run without it")
+        raise ResumeError(f"{flag}: no complete checkpoint under {checkpoint_root(output_dir)} (none "
+                          f"holds both {STATE_FILE} and {ENGINE_DIR}/); start afresh without {flag} "
+                          "(add --overwrite if the directory holds an earlier run's output), or choose "
+                          "another run.output_dir")
     return path
 
 
-def prepare_run_dir(cfg: TrainConfig, *, resume: bool, export_only: bool = False) -> str | None:
-    """Check the output directory before any engine starts; return the checkpoint to continue.
+def find_artifacts(output_dir: str, patterns: tuple[str, ...] = RUN_ARTIFACTS) -> list[str]:
+    """Names in `output_dir` matching `patterns`, sorted; an empty directory does not count."""
+    try:
+        names = sorted(os.listdir(output_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        if not any(fnmatch(name, pattern) for pattern in patterns):
+            continue
+        path = os.path.join(output_dir, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
+                continue
+        except FileNotFoundError:  # another rank is removing it for --overwrite right now
+            continue
+        found.append(name)
+    return found
 
-    --resume / --export-only: the latest complete checkpoint, with the config compared to the one
-    it was written with. A fresh run: None; a directory that already holds checkpoints is refused
-    unless `run.overwrite`, which removes them (and metrics.jsonl) first. Nothing else is modified,
-    and nothing at all when a `ResumeError` is raised.
+
+def remove_artifacts(output_dir: str, patterns: tuple[str, ...] = RUN_ARTIFACTS) -> list[str]:
+    """Remove the entries of `output_dir` matching `patterns` (and nothing else), logging each."""
+    removed = []
+    for name in sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []:
+        if not any(fnmatch(name, pattern) for pattern in patterns):
+            continue
+        path = os.path.join(output_dir, name)
+        logger.warning("--overwrite: removing %s", path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+        removed.append(name)
+    return removed
+
+
+def _refuse_output_file(out: str) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ResumeError(f"run.output_dir: {out!r} is an existing file; expected a directory (or a "
+                          "path that does not exist yet)")
+
+
+def _warn_if_fallen_back(out: str, path: str, flag: str) -> None:
+    pointed, marker = _pointed(out), os.path.join(checkpoint_root(out), LATEST)
+    if pointed == path:
+        return
+    what = f"names {pointed}, which is missing or incomplete" if pointed else "is missing"
+    logger.warning("%s: %s %s; continuing from %s, the newest complete checkpoint", flag, marker, what, path)
+
+
+def check_run_dir(cfg: TrainConfig, *, resume: bool, export_only: bool = False,
+                  overwrite: bool = False) -> str | None:
+    """What the output directory means for this command line; modifies nothing.
+
+    --resume / --export-only: the checkpoint to continue from (the newest complete one when `latest`
+    is dangling, with a warning), its saved config compared to `cfg`. A fresh run: None; a directory
+    holding an earlier run's output is refused unless `overwrite`. `ResumeError` for what the
+    directory cannot serve.
     """
     out = cfg.run.output_dir
+    _refuse_output_file(out)
     if resume or export_only:
         flag = "--export-only" if export_only else "--resume"
+        if overwrite:
+            raise ResumeError(f"--overwrite: cannot be combined with {flag}, which continues the run in "
+                              f"{out}; drop one of them")
         path = require_checkpoint(out, flag)
+        _warn_if_fallen_back(out, path, flag)
         check_resumed_config(path, cfg, export_only=export_only)
-        if cfg.run.overwrite:
-            logger.warning("%s: run.overwrite ignored, continuing from %s", flag, path)
         return path
-    root = checkpoint_root(out)
-    try:
-        existing = sorted(os.listdir(root))
-    except FileNotFoundError:  # none yet, or rank 0 is removing it for run.overwrite right now
-        existing = []
-    if not existing:
-        return None
-    if not cfg.run.overwrite:
-        raise ResumeError(f"run.output_dir: {root} already holds checkpoints of an earlier run "
-                          f"({', '.join(existing[:4])}); continue it with --resume, or replace it with "
-                          "--overwrite (run.overwrite=true)")
-    if global_rank() == 0:  # the other ranks see the same directory; one removes it
-        logger.warning("run.overwrite: removing %s and the old %s", root, METRICS_FILE)
-        shutil.rmtree(root)
-        if os.path.exists(os.path.join(out, METRICS_FILE)):
-            os.remove(os.path.join(out, METRICS_FILE))
+    found = find_artifacts(out)
+    if found and not overwrite:
+        resume_hint = "continue it with --resume, " if latest_checkpoint(out) else ""
+        raise ResumeError(f"run.output_dir: {out} holds an earlier run's output ({', '.join(found)}); "
+                          f"{resume_hint}replace that output with --overwrite (nothing else in the "
+                          "directory is touched), or choose another run.output_dir")
     return None
+
+
+def prepare_run_dir(cfg: TrainConfig, *, resume: bool, export_only: bool = False,
+                    overwrite: bool = False) -> str | None:
+    """`check_run_dir`, then on rank 0: `overwrite` removes the earlier run's `RUN_ARTIFACTS`, and a
+    dangling `latest` is pointed at the checkpoint resumed from. Nothing changes when it raises."""
+    path = check_run_dir(cfg, resume=resume, export_only=export_only, overwrite=overwrite)
+    if global_rank() != 0:  # every rank sees the same directory; one changes it
+        return path
+    out = cfg.run.output_dir
+    if path is None and overwrite:
+        remove_artifacts(out)
+    elif path is not None and _pointed(out) != path:
+        _point_latest(checkpoint_root(out), os.path.basename(path))
+        logger.warning("%s now names %s", os.path.join(checkpoint_root(out), LATEST), path)
+    return path
 
 
 # ------------------------------------------------------------------ resumed config vs saved config
@@ -221,7 +308,7 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, export_only: bool = False
 # dist checkpoints load into any layout (results equal up to float rounding), except with the
 # distributed optimizer, whose checkpoint needs the same layout (`LAYOUT_KEYS`).
 RESUMABLE_KEYS = (
-    "run.steps", "run.output_dir", "run.overwrite", "run.device",
+    "run.steps", "run.output_dir", "run.device",
     "logging.*", "checkpoint.*",
     "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "parallel.etp",
     "parallel.world_size",
@@ -296,6 +383,10 @@ def _load_saved_config(path: str) -> dict | None:
         return None
     with open(file) as f:
         tree = yaml.safe_load(f) or {}
+    # earlier versions of the trainer saved the command line's --overwrite as `run.overwrite`: the
+    # trainer wrote it, not the user, and it says nothing about the results
+    if isinstance(tree, dict) and isinstance(tree.get("run"), dict):
+        tree["run"].pop("overwrite", None)
     try:  # through the schema: keys added since the save take their defaults
         return to_dict(from_dict(TrainConfig, tree))
     except ConfigError as err:
@@ -362,15 +453,15 @@ def _load_rng_file(rng_file: str) -> dict:
 
 def load_checkpoint(path: str, engine) -> TrainerState:
     """Restore engine (model, optimizer, schedule), RNG states; return the trainer state."""
-    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        raise ValueError(f"checkpoint {path!r}: no trainer_state.json (not a complete checkpoint)")
-    engine.load_checkpoint(os.path.join(path, "engine"))
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        raise ValueError(f"checkpoint {path!r}: no {STATE_FILE} (not a complete checkpoint)")
+    engine.load_checkpoint(os.path.join(path, ENGINE_DIR))
     rng_file = os.path.join(path, "rng", f"rank_{global_rank():05d}.pt")
     if os.path.isfile(rng_file):
         restore_rng_states(_load_rng_file(rng_file))
     else:
         logger.warning("checkpoint %s has no RNG state for rank %d (different world size?)", path, global_rank())
-    with open(os.path.join(path, "trainer_state.json")) as f:
+    with open(os.path.join(path, STATE_FILE)) as f:
         state = TrainerState(**json.load(f))
     logger.info("resumed from %s (step %d, weight version %d)", path, state.step, state.weight_version)
     return state

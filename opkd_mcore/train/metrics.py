@@ -1,8 +1,9 @@
 """Step metrics to the console (tqdm bar + periodic line), a JSONL file, TensorBoard and W&B.
 
 Only rank 0 writes. Names are `group/name`. On resume the JSONL file is cut back to the steps
-before the resumed one (and a torn last line is dropped), so a resumed run's file reads exactly
-like an uninterrupted run's.
+before the resumed one (and a torn last line is dropped), and TensorBoard's event files get a purge
+marker at that step (readers drop the earlier run's events from it on), so a resumed run's metrics
+read exactly like an uninterrupted run's.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from opkd_mcore.config.schema import LoggingSection
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"  # event files, under the output directory
 # shown on the progress bar, in this order, when present
 BAR_KEYS = ("train/loss", "eval/accuracy", "rollout/response_len_mean", "timing/step")
 
@@ -73,7 +75,7 @@ class MetricsLogger:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
         if cfg.tensorboard:
-            self.tb = _tensorboard_writer(os.path.join(out_dir, "tensorboard"))
+            self.tb = _tensorboard_writer(os.path.join(out_dir, TENSORBOARD_DIR), start_step)
         if cfg.wandb_project:
             self.wandb = _wandb_run(cfg.wandb_project, out_dir)
 
@@ -108,13 +110,15 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def _tensorboard_writer(log_dir: str):
+def _tensorboard_writer(log_dir: str, start_step: int):
+    """A writer whose first event, on resume, hides every event of step >= `start_step` already in
+    `log_dir` (the steps the resumed run trains again): the files are kept, readers skip them."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
         raise ValueError("logging.tensorboard: needs the `tensorboard` package (pip install "
                          "tensorboard), or set logging.tensorboard=false") from err
-    return SummaryWriter(log_dir)
+    return SummaryWriter(log_dir, purge_step=start_step if start_step > 0 else None)
 
 
 def _wandb_run(project: str, out_dir: str):

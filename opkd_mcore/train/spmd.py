@@ -10,21 +10,24 @@ import os
 from opkd_mcore.config import dump_config
 from opkd_mcore.models import save_hf_checkpoint
 from opkd_mcore.platform import is_rank0
-from opkd_mcore.train.checkpoint import prepare_run_dir, save_checkpoint
+from opkd_mcore.train.checkpoint import EXPORT_DIR, prepare_run_dir, save_checkpoint
 from opkd_mcore.train.components import build_run, close_run
 from opkd_mcore.train.metrics import MetricsLogger
 from opkd_mcore.train.samples_log import SamplesLog
 
 
-def train_spmd(cfg, *, resume: bool = False, export_only: bool = False, step_hook=None) -> list[dict]:
+def train_spmd(cfg, *, resume: bool = False, export_only: bool = False, overwrite: bool = False,
+               step_hook=None) -> list[dict]:
     """Run (or continue) the distillation of `cfg` in this SPMD job; returns the per-step metrics (all ranks).
 
+    `overwrite` (a fresh run only) replaces an earlier run's output in `run.output_dir`.
     `step_hook(run, step) -> dict` (optional) adds metrics after each step (the demo's evaluation).
     """
     out = cfg.run.output_dir
     config_yaml = dump_config(cfg)
-    # before any engine starts: refuse what the output directory cannot serve, modifying nothing
-    prepare_run_dir(cfg, resume=resume, export_only=export_only)
+    # before any engine starts: refuse what the output directory cannot serve (modifying nothing),
+    # then remove what --overwrite replaces
+    prepare_run_dir(cfg, resume=resume, export_only=export_only, overwrite=overwrite)
     run = build_run(cfg, resume=resume or export_only)
     log = MetricsLogger(out, cfg.logging, cfg.run.steps, start_step=run.state.step,
                         enabled=is_rank0() and not export_only)
@@ -46,7 +49,7 @@ def train_spmd(cfg, *, resume: bool = False, export_only: bool = False, step_hoo
             not ckpt.save_every or run.state.step % ckpt.save_every):
         save_checkpoint(out, run.engine, run.state, config_yaml, ckpt.keep_last)
     if ckpt.export_hf_at_end or export_only:
-        save_hf_checkpoint(run.chunks, os.path.join(out, "student_hf"), src_hf_dir=cfg.model.student)
+        save_hf_checkpoint(run.chunks, os.path.join(out, EXPORT_DIR), src_hf_dir=cfg.model.student)
     log.close()
     close_run(run)
     return history
