@@ -326,8 +326,8 @@ RESUMABLE_KEYS = (
 # model, batch shapes, objective, optimizer (including the checkpoint layout of the distributed
 # optimizer), data and its order, rollout sampling, teachers and what they return, sync cadence.
 RESULT_KEYS = (
-    "model.*", "parallel.micro_batch_size", "parallel.global_batch_size", "loss.*", "optim.*",
-    "data.*", "rollout.*", "teacher.*", "weight_sync.every_steps", "run.seed", "run.schedule",
+    "model.*", "parallel.micro_batch_size", "parallel.max_tokens_per_micro_batch",
+    "parallel.global_batch_size", "loss.*", "optim.*", "data.*", "rollout.*", "teacher.*", "weight_sync.every_steps", "run.seed", "run.schedule",
     "run.max_staleness", "run.stale_policy", "run.is_truncation", "run.in_flight_update",
     "run.partial_rollout_tokens",
 )
