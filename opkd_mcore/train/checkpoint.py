@@ -213,6 +213,30 @@ def prepare_run_dir(cfg: TrainConfig, *, resume: bool, export_only: bool = False
     return None
 
 
+def check_run_dir(cfg: TrainConfig, *, resume: bool, export_only: bool = False,
+                  overwrite: bool = False) -> str | None:
+    """What `prepare_run_dir` checks, modifying nothing (`opkd train --check`, the start-up checks):
+    the checkpoint to continue, or None for a fresh run; `ResumeError` when the directory cannot serve."""
+    out = cfg.run.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ResumeError(f"run.output_dir: {out} is an existing file; expected a directory (or a path "
+                          "to create one at)")
+    if resume or export_only:
+        path = require_checkpoint(out, "--export-only" if export_only else "--resume")
+        check_resumed_config(path, cfg, export_only=export_only)
+        return path
+    root = checkpoint_root(out)
+    try:
+        existing = sorted(os.listdir(root))
+    except FileNotFoundError:  # none yet, or rank 0 is already removing it for run.overwrite
+        existing = []
+    if existing and not (overwrite or cfg.run.overwrite):
+        raise ResumeError(f"run.output_dir: {root} already holds checkpoints of an earlier run "
+                          f"({', '.join(existing[:4])}); continue it with --resume, or replace it with "
+                          "--overwrite (run.overwrite=true)")
+    return None
+
+
 # ------------------------------------------------------------------ resumed config vs saved config
 
 # A resumed run may change these: they say where and how the work runs, or how it is reported,
