@@ -1,11 +1,13 @@
 """`opkd train`: on-policy distillation, single process or SPMD under torchrun, or under the Ray controller.
 
     opkd train --config configs/x.yaml [--resume | --overwrite] [key.path=value ...]
+    opkd train --check --config configs/x.yaml [key.path=value ...]   (check only: starts nothing)
     torchrun --nproc_per_node 2 -m opkd_mcore.cli train --config configs/x.yaml parallel.tp=2
     opkd train --config configs/x.yaml controller.kind=ray run.schedule=async   (docs/controller.md)
 
 `controller.kind` picks who runs the stages: this SPMD job (`train/spmd.py`) or the Ray
-controller's worker groups (`controller/`).
+controller's worker groups (`controller/`). Before either starts anything, the start-up checks of
+`train/preflight.py` run (models, tokenizer, prompts, output directory, teacher servers).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import sys
 from opkd_mcore.config import ConfigError, dump_config, load_config
 from opkd_mcore.controller import train_with_ray
 from opkd_mcore.platform import is_rank0
+from opkd_mcore.train.preflight import preflight
 from opkd_mcore.train.spmd import train_spmd
 
 
@@ -28,6 +31,10 @@ def parse_args(argv):
                         "metrics.jsonl, samples.jsonl, student_hf/, config.yaml, tensorboard/; nothing else)")
     p.add_argument("--export-only", action="store_true",
                    help="load the latest checkpoint, write <output_dir>/student_hf, and exit")
+    p.add_argument("--check", action="store_true",
+                   help="check the config, models, tokenizer, data, output directory and teacher servers, "
+                        "print the resolved config, and exit (0: ready, 2: the errors); starts and writes "
+                        "nothing")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loss.divergence=jsd")
     return p.parse_args(argv)
 
@@ -56,6 +63,17 @@ def main(argv=None) -> int:
         return 2
     if is_rank0():
         print(dump_config(cfg))
+    try:
+        # every rank checks what it reads itself; rank 0 alone asks the teacher servers (one probe
+        # per server, not one per rank)
+        preflight(cfg, resume=args.resume, export_only=args.export_only, overwrite=args.overwrite,
+                  probe_servers=is_rank0())
+    except ConfigError as err:
+        for line in str(err).splitlines():
+            print(f"opkd train: error: {line}", file=sys.stderr)
+        return 2
+    if args.check:
+        return 0
     try:
         train(cfg, resume=args.resume, export_only=args.export_only, overwrite=args.overwrite)
     except ConfigError as err:  # raised before anything started or changed (ResumeError, loss.impl)

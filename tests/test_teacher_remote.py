@@ -11,12 +11,15 @@ from contextlib import contextmanager
 
 import pytest
 
+from opkd_mcore.config import load_config
 from opkd_mcore.models.tiny import save_tiny_hf_model
 from opkd_mcore.teacher.base import MalformedTeacherOutputError, TeacherError, TeacherUnavailableError
 from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher, parse_completion_response
 from opkd_mcore.teacher.serve import TeacherServer, TeacherServerConfig
+from opkd_mcore.train.preflight import PreflightError, preflight
 from tests._dist import free_port
 from tests.conftest import ENGINE_MEMORY
+from tests.test_preflight import write_config
 from tests.test_teacher_vllm import SEQUENCES, assert_same_topk, reference_logprobs
 
 SERVER_MAX_LOGPROBS = 16
@@ -125,6 +128,27 @@ def test_real_server_refuses_a_student_with_a_larger_vocabulary(server, model_di
     with pytest.raises(TeacherError, match=rf"{server.url}: its vocabulary has {vocab} token ids, "
                                            rf"the student's has {vocab + 44}"):
         client(server, student_vocab_size=vocab + 44).check_server()
+
+
+@pytest.mark.vllm
+def test_start_up_probe_reads_a_real_servers_limits(server, model_dir, tmp_path, monkeypatch):
+    """`opkd train`'s start-up check against vLLM itself (max_model_len 64, --max-logprobs 16): its
+    listing and its refusal are read as the fake servers of tests/test_preflight_servers.py send them."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def run(top_k: int, max_model_len: int):
+        teacher = {"backend": "remote", "url": server.url, "top_k": top_k}
+        path = write_config(tmp_path, {"student": model_dir}, f"rollout.max_model_len={max_model_len}",
+                            teacher=teacher)
+        preflight(load_config(path))
+
+    run(SERVER_MAX_LOGPROBS, 63)  # a 63-token sequence and the generated position fill the 64
+    with pytest.raises(PreflightError, match=rf"^teacher.teachers.0.top_k: teacher.k=17: teacher server "
+                                             rf"{server.url} allows at most {SERVER_MAX_LOGPROBS} logprobs"):
+        run(SERVER_MAX_LOGPROBS + 1, 63)
+    with pytest.raises(PreflightError, match=rf"^teacher.teachers.0.url: teacher server {server.url} serves "
+                                             r"'teacher' with max_model_len 64; .* needs 65"):
+        run(8, 64)
 
 
 @pytest.mark.vllm

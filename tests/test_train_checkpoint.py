@@ -20,6 +20,7 @@ from opkd_mcore.config import ConfigError, LoggingSection, TrainConfig, dump_con
 from opkd_mcore.train import checkpoint as ckpt
 from opkd_mcore.train.checkpoint import TrainerState
 from opkd_mcore.train.metrics import MetricsLogger, read_jsonl
+from tests._hf_config import hf_checkpoint
 
 
 class FakeEngine:
@@ -144,12 +145,8 @@ def test_resume_returns_the_latest_checkpoint(tmp_path):
 
 
 def _hf_dir(path, name):
-    d = path / name
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(dict(
-        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=64,
-        architectures=["Qwen3ForCausalLM"])))
-    return str(d)
+    # config and tokenizer: what `opkd train`'s start-up checks read before build_run
+    return hf_checkpoint(path, name)
 
 
 @pytest.fixture

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
+import re
 import urllib.parse
+from typing import NoReturn
 
 from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.schema import SEED_MAX
@@ -52,11 +55,51 @@ def check_finite(value, path: str) -> None:
         raise ConfigError(f"{path}: expected a finite number (not nan or inf), got {value}")
 
 
+# a host name or IPv4 address (an IPv6 address comes in brackets and is checked by `ipaddress`)
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+
 def check_url(path: str, url: str | None) -> None:
+    """A teacher server's base URL exactly as `teacher/remote.py` uses it: `http(s)://host[:port]`,
+    optionally with the path prefix of a reverse proxy; the client appends `/v1/...` and `/pooling`
+    to it, so a URL ending in `/v1`, a query, a fragment or credentials would address nothing."""
+    def refuse(why: str) -> NoReturn:
+        raise ConfigError(f"{path}: {why}; a remote teacher needs the server's base URL "
+                          f"(http://host:port, port 1-65535), got {url!r}")
+
+    if not url or not isinstance(url, str):
+        refuse("no URL")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        refuse("the URL contains spaces or control characters")
     try:
-        parts = urllib.parse.urlsplit(url or "")
-    except ValueError:  # e.g. an unclosed IPv6 bracket
-        parts = None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"{path}: a remote teacher needs the server's base URL "
-                          f"(http://host:port), got {url!r}")
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as err:  # e.g. an unclosed IPv6 bracket
+        refuse(f"not a URL ({err})")
+    if parts.scheme not in ("http", "https"):
+        refuse(f"expected the scheme http or https, got {parts.scheme or 'none'!r}")
+    if "@" in parts.netloc:
+        refuse("credentials in the URL are not sent to the server")
+    host, port = _host_and_port(parts.netloc, refuse)
+    if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        refuse(f"the port {port!r} of host {host!r} is not a number in 1-65535")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        refuse("a query or fragment would be sent before the request path")
+    if parts.path.rstrip("/").endswith("/v1"):
+        refuse("the client adds /v1/... itself: give the URL without /v1")
+
+
+def _host_and_port(netloc: str, refuse) -> tuple[str, str | None]:
+    """(host, port text or None) of `host`, `host:port`, `[ipv6]` or `[ipv6]:port`."""
+    if netloc.startswith("["):
+        host, _, rest = netloc[1:].partition("]")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            refuse(f"{host!r} in brackets is not an IPv6 address")
+        if rest and not rest.startswith(":"):
+            refuse(f"unexpected {rest!r} after the IPv6 address")
+        return host, rest[1:] if rest else None
+    host, colon, port = netloc.partition(":")
+    if not _HOST.fullmatch(host):
+        refuse(f"expected a host name or IP address, got {host!r}" if host else "the URL names no host")
+    return host, port if colon else None

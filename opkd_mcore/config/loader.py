@@ -5,11 +5,18 @@
 Overrides are `path=value`; the value is parsed as YAML (`3`, `0.3`, `null`, `[a, b]`, `true`).
 A path names an existing key (no Hydra-style `+key`); list items are addressed by index
 (`teacher.teachers.0.model=/ckpt`). Unknown keys and wrong types raise `ConfigError`.
+
+Numbers: a float field takes any decimal a user writes, `1e-5`, `5E-6`, `1.5e3`, `.5`, `-2e-3`, in a
+file and in an override alike (YAML 1.1, which PyYAML reads, needs a dot in a float, so `1e-5`
+arrives as the string "1e-5"; it is converted here, for float fields only). NaN and infinity are
+refused. An integer field takes integers only: `steps: 1e3` is refused with the integer to write
+instead, since scientific notation names a float and a silent conversion would hide `2.5e1`.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -44,6 +51,34 @@ def _finite(value: int | float, path: str) -> float:
     return number
 
 
+# a decimal number as written in a config (no nan/inf, no hex, no underscores)
+_DECIMAL = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def _float(value: Any, path: str) -> float:
+    """A float field's value: a YAML number, or a string that is a decimal number (`1e-5`)."""
+    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+        return _finite(float(value), path)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+    return _finite(value, path)
+
+
+def _int(value: Any, path: str) -> int:
+    """An integer field's value: a YAML integer only (`1e3` and `1000.0` are refused, with a hint)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    hint = ""
+    if isinstance(value, (str, float)):
+        try:
+            number = _float(value, path)
+        except ConfigError:  # not a number at all: no integer to suggest
+            number = None
+        if number is not None and number.is_integer():
+            hint = f" (write it as the integer {int(number)})"
+    raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}{hint}")
+
+
 def _convert(value: Any, tp, path: str):
     """Check/convert one YAML value against a schema annotation."""
     origin = typing.get_origin(tp)
@@ -75,13 +110,9 @@ def _convert(value: Any, tp, path: str):
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
-        return _finite(value, path)
+        return _float(value, path)
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
-        return value
+        return _int(value, path)
     if tp in (bool, str):
         if not isinstance(value, tp):
             raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")

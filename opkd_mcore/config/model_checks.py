@@ -19,16 +19,18 @@ from opkd_mcore.config.schema import TrainConfig
 logger = logging.getLogger(__name__)
 
 # Shapes of public checkpoints the recipes name (from their config.json), used when the path is a
-# hub id rather than a local directory. Fields: heads, kv_heads, layers, vocab.
+# hub id rather than a local directory. Fields: heads, kv_heads, layers, vocab, max_positions
+# (max_position_embeddings: the longest sequence the model is built for).
+_QWEN3 = dict(vocab=151936, max_positions=40960)
 KNOWN_MODEL_SHAPES = {
-    "Qwen/Qwen3-0.6B": dict(heads=16, kv_heads=8, layers=28, vocab=151936),
-    "Qwen/Qwen3-1.7B": dict(heads=16, kv_heads=8, layers=28, vocab=151936),
-    "Qwen/Qwen3-4B": dict(heads=32, kv_heads=8, layers=36, vocab=151936),
-    "Qwen/Qwen3-8B": dict(heads=32, kv_heads=8, layers=36, vocab=151936),
-    "Qwen/Qwen3-14B": dict(heads=40, kv_heads=8, layers=40, vocab=151936),
-    "Qwen/Qwen3-32B": dict(heads=64, kv_heads=8, layers=64, vocab=151936),
-    "Qwen/Qwen3-30B-A3B": dict(heads=32, kv_heads=4, layers=48, vocab=151936, experts=128),
-    "Qwen/Qwen3-235B-A22B": dict(heads=64, kv_heads=4, layers=94, vocab=151936, experts=128),
+    "Qwen/Qwen3-0.6B": dict(heads=16, kv_heads=8, layers=28, **_QWEN3),
+    "Qwen/Qwen3-1.7B": dict(heads=16, kv_heads=8, layers=28, **_QWEN3),
+    "Qwen/Qwen3-4B": dict(heads=32, kv_heads=8, layers=36, **_QWEN3),
+    "Qwen/Qwen3-8B": dict(heads=32, kv_heads=8, layers=36, **_QWEN3),
+    "Qwen/Qwen3-14B": dict(heads=40, kv_heads=8, layers=40, **_QWEN3),
+    "Qwen/Qwen3-32B": dict(heads=64, kv_heads=8, layers=64, **_QWEN3),
+    "Qwen/Qwen3-30B-A3B": dict(heads=32, kv_heads=4, layers=48, experts=128, **_QWEN3),
+    "Qwen/Qwen3-235B-A22B": dict(heads=64, kv_heads=4, layers=94, experts=128, **_QWEN3),
 }
 
 
@@ -44,7 +46,8 @@ def model_shape(path_key: str, model: str, check_files: bool) -> dict | None:
             # routed experts: Qwen MoE "num_experts", Mixtral "num_local_experts"; None = dense
             experts = hf.get("num_experts") or hf.get("num_local_experts") or None
             return dict(heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-                        layers=hf["num_hidden_layers"], vocab=hf["vocab_size"], experts=experts)
+                        layers=hf["num_hidden_layers"], vocab=hf["vocab_size"], experts=experts,
+                        max_positions=hf.get("max_position_embeddings"))
         except (ValueError, KeyError, AttributeError) as err:  # not JSON, or not a decoder config
             raise ConfigError(f"{path_key}: {cfg_file} is not a usable HF model config "
                               f"({type(err).__name__}: {err})") from None
@@ -54,6 +57,22 @@ def model_shape(path_key: str, model: str, check_files: bool) -> dict | None:
         raise ConfigError(f"{path_key}: no HF checkpoint at {model!r} (expected a directory with "
                           f"config.json, or one of {sorted(KNOWN_MODEL_SHAPES)})")
     return None
+
+
+def check_context(path_key: str, model: str, shape: dict | None, max_model_len: int) -> None:
+    """The model is built for sequences of `rollout.max_model_len` tokens (vLLM refuses a longer
+    context; a Megatron or transformers forward would run positions the model never learnt)."""
+    limit = shape.get("max_positions") if shape else None
+    if limit and max_model_len > limit:
+        raise ConfigError(f"rollout.max_model_len: {max_model_len} exceeds the max_position_embeddings "
+                          f"{limit} of {path_key} ({model})")
+
+
+def check_top_k(path_key: str, top_k: int, model: str, shape: dict | None) -> None:
+    """A top-k teacher cannot return more entries per position than its vocabulary has."""
+    if shape and top_k > shape["vocab"]:
+        raise ConfigError(f"{path_key}: {top_k} exceeds the vocabulary of {shape['vocab']} tokens of the "
+                          f"teacher's checkpoint ({model})")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

@@ -22,8 +22,10 @@ from opkd_mcore.config.checks import (
 from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.model_checks import (
     TokenizerInfo,
+    check_context,
     check_parallel,
     check_student_vocab,
+    check_top_k,
     check_vocab,
     launch_world_size,
     load_tokenizer_info,
@@ -117,6 +119,9 @@ def _check_teacher_model(cfg: TrainConfig, path: str, t: TeacherEndpoint, studen
     shape = model_shape(f"{path}.model", t.model, check_files)
     if shape is None:
         return
+    check_context(f"{path}.model", t.model, shape, cfg.rollout.max_model_len)
+    if teacher_output(t) == "topk":
+        check_top_k(f"{path}.top_k", t.top_k, t.model, shape)
     tp = cfg.parallel.tp
     if t.backend == "megatron" and (shape["heads"] % tp or shape["kv_heads"] % tp):
         raise ConfigError(f"parallel.tp: {tp} does not divide the heads of the megatron teacher "
@@ -280,6 +285,13 @@ def _check_optim(cfg: TrainConfig) -> None:
         if defaulted and msg.startswith("optim.lr_decay_steps"):
             msg += " (lr_decay_steps defaults to run.steps)"
         raise ConfigError(msg) from None
+    if optim.lr_decay_style != "constant" and optim.lr_decay_steps < cfg.run.steps:
+        # the schedule ends at min_lr and stays there: the last steps would train at the floor
+        raise ConfigError(f"optim.lr_decay_steps: the {optim.lr_decay_style} decay reaches optim.min_lr = "
+                          f"{optim.min_lr} after {optim.lr_decay_steps} steps, but run.steps = "
+                          f"{cfg.run.steps}: the last {cfg.run.steps - optim.lr_decay_steps} steps would "
+                          "train at min_lr; set lr_decay_steps >= run.steps (unset, it defaults to "
+                          "run.steps)")
 
 
 def _check_rollout(cfg: TrainConfig) -> None:
@@ -460,6 +472,7 @@ def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfi
     check_student_vocab(student_shape, load_tokenizer_info("model.student", cfg.model.student,
                                                              tokenizers))
     _check_rest(cfg, check_files)
+    check_context("model.student", cfg.model.student, student_shape, cfg.rollout.max_model_len)
     _check_teachers(cfg, student_shape, tokenizers, check_files)
     _check_loss(cfg, student_shape)
     check_parallel(cfg, student_shape)

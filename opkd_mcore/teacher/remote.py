@@ -80,6 +80,10 @@ class RemoteTeacherConfig:
                              f"{self.max_retries} and {self.timeout_s}")
 
 
+class MaxLogprobsError(ValueError):
+    """The server allows fewer prompt logprobs (`--max-logprobs`) than the client's `k`."""
+
+
 class _HttpStatusError(Exception):
     def __init__(self, code: int, body: str):
         super().__init__(f"HTTP {code}: {body[:500]}")
@@ -180,6 +184,8 @@ class RemoteVllmTeacher(Teacher):
                 if err.code < 500:
                     raise TeacherError(f"teacher server {self.url} rejected {request}: {err}") from err
                 last = err
+            except http.client.InvalidURL as err:  # e.g. a port that is not a number: no retry helps
+                raise TeacherError(f"teacher server {self.url}: not a usable address ({err})") from err
             # URLError is an OSError; an answer cut short (the server died while sending it) is an
             # http.client.IncompleteRead, an HTTPException
             except (OSError, TimeoutError, http.client.HTTPException, json.JSONDecodeError) as err:
@@ -198,8 +204,7 @@ class RemoteVllmTeacher(Teacher):
             if self._checked:
                 return
             if self._model is None:
-                listing = self._call("/v1/models", None, "the model listing")
-                self._model = listing["data"][0]["id"]
+                self._served_model()
             self._check_vocabulary()
             if self.cfg.output == "hidden":   # no logprobs involved: one small request proves the mode
                 self._score_hidden_batch([[0, 0]], "the hidden-state probe")
@@ -213,11 +218,33 @@ class RemoteVllmTeacher(Teacher):
                 allowed = _MAX_ALLOWED.search(str(err))
                 if allowed is None:
                     raise
-                raise ValueError(
+                raise MaxLogprobsError(
                     f"teacher.k={self.cfg.k}: teacher server {self.url} allows at most "
                     f"{allowed.group(1)} logprobs (--max-logprobs); restart it with "
                     f"--max-logprobs >= {self.cfg.k} (opkd teacher-serve --k {self.cfg.k})") from err
             self._checked = True
+
+    def served_model(self) -> dict:
+        """The `/v1/models` entry of the model this client scores with (vLLM lists its `id` and
+        `max_model_len`): the configured `model`, or the first one listed, which it then keeps."""
+        with self._lock:
+            return self._served_model()
+
+    def _served_model(self) -> dict:
+        listing = self._call("/v1/models", None, "the model listing")
+        entries = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(entries, list):
+            entries = []
+        entries = [e for e in entries if isinstance(e, dict) and "id" in e]
+        if not entries:
+            raise TeacherError(f"teacher server {self.url}: /v1/models lists no served model "
+                               f"(got {json.dumps(listing)[:300]})")
+        ids = [e["id"] for e in entries]
+        if self._model is None:
+            self._model = ids[0]
+        elif self._model not in ids:
+            raise TeacherError(f"teacher server {self.url} serves {ids}, not the model {self._model!r}")
+        return entries[ids.index(self._model)]
 
     def _accepts_token(self, token_id: int) -> bool:
         """Whether the server takes `token_id` in a prompt (vLLM: HTTP 400 "out of vocabulary")."""
