@@ -132,7 +132,7 @@ def test_student_without_a_tokenizer_is_refused(tmp_path, models):
 def test_output_dir_that_is_a_file_is_refused_by_key(tmp_path, models):
     (tmp_path / "run").write_text("not a directory")
     (line,) = preflight_errors(write_config(tmp_path, models))
-    assert line.startswith(f"run.output_dir: {tmp_path / 'run'} is an existing file")
+    assert line.startswith(f"run.output_dir: {str(tmp_path / 'run')!r} is an existing file")
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path, models):
