@@ -28,6 +28,7 @@ train), step = `on_step_begin` .. `on_step_end`, train = step - generation - tea
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -63,6 +64,12 @@ class StageClock:
                 self.tokens += sum(len(ids) for ids in out)
             return out
         return timed
+
+
+def peak_memory(on_gpu: bool) -> tuple[list[float], str]:
+    if on_gpu:
+        return [round(torch.cuda.max_memory_allocated() / 2**30, 2)], "torch max allocated (trainer process)"
+    return [round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)], "host peak RSS"
 
 
 def _free_port() -> int:
@@ -174,13 +181,13 @@ def train(w, records, run_dir, on_gpu, port, trainer_cls, callback_cls, dataset_
             step_s = time.perf_counter() - self.start
             s = clock.seconds
             generation = s["generation"] - s["weight_update"]
-            peak = [round(torch.cuda.max_memory_allocated() / 2**30, 2)] if on_gpu else None
+            peak, source = peak_memory(on_gpu)
             rows.append(StepRow(
                 runner="trl", step=len(rows), warmup=len(rows) < w.warmup_steps, step_s=step_s,
-                generation_s=generation, teacher_s=s["teacher"], weight_update_s=s["weight_update"],
+                generation_s=generation, teacher_s=s["teacher"],
+                weight_update_s=s["weight_update"] if trainer.use_vllm else None,
                 train_s=step_s - s["generation"] - s["teacher"], response_tokens=clock.tokens,
-                objective=objective(w), peak_memory_gib=peak,
-                memory_source="torch max allocated (trainer process)" if on_gpu else "", version=version,
+                objective=objective(w), peak_memory_gib=peak, memory_source=source, version=version,
                 notes=("vLLM server on the second GPU" if port else
                        "vLLM colocated" if trainer.use_vllm else "transformers generate (no vLLM)")))
 

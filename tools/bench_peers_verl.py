@@ -39,7 +39,9 @@ from bench_peers import StepRow, Workload, write_rows  # noqa: E402
 from opkd_mcore.data import read_records  # noqa: E402
 
 # the prompt text itself, as opkd train and TRL feed a text prompt (the character tokenizer has no template)
-RAW_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+RAW_TEMPLATE = "{% for message in messages %}{{ message.content }}{% endfor %}"
+NOTES = ("teacher scoring runs per sample inside generation (overlapped); train = update_actor + "
+         "old_log_prob; tokens = mean response length x samples")
 ZERO_REWARD = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     """No task reward: the run's loss is the distillation loss alone."""
     return 0.0
@@ -50,7 +52,8 @@ def write_parquet(records: list[dict], path: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"data_source": r.get("data_source", "addition"), "prompt": [{"role": "user", "content": r["prompt"]}],
+    rows = [{"data_source": r.get("data_source", "addition"),
+             "prompt": [{"role": "user", "content": r["prompt"]}],
              "ability": "arithmetic", "reward_model": {"style": "rule", "ground_truth": r.get("answer", "")},
              "extra_info": {"index": i}} for i, r in enumerate(records)]
     pq.write_table(pa.Table.from_pylist(rows), path)
@@ -58,60 +61,53 @@ def write_parquet(records: list[dict], path: str) -> None:
 
 def objective(w: Workload) -> str:
     if w.teacher_kind == "topk":
-        return (f"top-{w.teacher_top_k} forward KL, not renormalised (sum over the teacher's ids of p(log p - log q), "
-                "q over the full vocabulary), log-probs clamped at -10, per-token loss clamped to [0, 10]")
+        return (f"top-{w.teacher_top_k} forward KL, not renormalised (sum over the teacher's ids of "
+                "p(log p - log q), q over the full vocabulary), log-probs clamped at -10, per-token loss "
+                "clamped to [0, 10]")
     return "k3 estimate of reverse KL on the sampled token only (verl 0.9.1 has no dense-teacher loss)"
+
+
+def _group(prefix: str, **values) -> list[str]:
+    return [f"{prefix}.{key}={value}" for key, value in values.items()]
 
 
 def verl_overrides(w: Workload, data_path: str, reward_path: str, run_dir: str) -> list[str]:
     """Hydra overrides of verl's ppo_trainer config for the workload (2 GPUs: trainer | teacher)."""
-    max_len = w.max_model_len
-    prompt_len = max_len - w.max_new_tokens - 1
-    loss = (["distillation.distillation_loss.loss_mode=forward_kl_topk",
-             f"distillation.distillation_loss.topk={w.teacher_top_k}",
-             "distillation.distillation_loss.log_prob_min_clamp=-10.0"] if w.teacher_kind == "topk"
-            else ["distillation.distillation_loss.loss_mode=k3"])
+    max_len, tokens = w.max_model_len, w.max_tokens_per_micro_batch
+    loss = (dict(loss_mode="forward_kl_topk", topk=w.teacher_top_k, log_prob_min_clamp=-10.0)
+            if w.teacher_kind == "topk" else dict(loss_mode="k3"))
     return [
-        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
-        f"data.train_files=['{data_path}']", f"data.val_files=['{data_path}']",
-        f"data.train_batch_size={w.prompts_per_step}", f"data.max_prompt_length={prompt_len}",
-        f"data.max_response_length={w.max_new_tokens}", "data.shuffle=False", "data.filter_overlong_prompts=False",
-        "data.truncation=error", "data.dataloader_num_workers=0",
-        f"actor_rollout_ref.model.path={w.student}", f"actor_rollout_ref.model.custom_chat_template='{RAW_TEMPLATE}'",
-        "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-        "actor_rollout_ref.actor.strategy=fsdp", f"actor_rollout_ref.actor.optim.lr={w.lr}",
-        "actor_rollout_ref.actor.optim.weight_decay=0.0", f"actor_rollout_ref.actor.optim.clip_grad={w.clip_grad}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={w.prompts_per_step}", "actor_rollout_ref.actor.ppo_epochs=1",
-        "actor_rollout_ref.actor.use_dynamic_bsz=True",
-        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={w.max_tokens_per_micro_batch}",
-        "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.entropy_coeff=0",
-        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
-        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={w.gpu_memory_utilization}",
-        f"actor_rollout_ref.rollout.n={w.samples_per_prompt}", f"actor_rollout_ref.rollout.temperature={w.temperature}",
-        f"actor_rollout_ref.rollout.top_p={w.top_p}", f"actor_rollout_ref.rollout.top_k={w.top_k}",
-        f"actor_rollout_ref.rollout.ignore_eos={w.fixed_length}", f"actor_rollout_ref.rollout.dtype={w.dtype}",
-        f"actor_rollout_ref.rollout.max_model_len={max_len}", f"actor_rollout_ref.rollout.max_num_seqs={w.sequences_per_step}",
-        "actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.calculate_log_probs=False",
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
-        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={w.max_tokens_per_micro_batch}",
-        "distillation.enabled=True", "distillation.n_gpus_per_node=1", "distillation.nnodes=1",
-        f"distillation.teacher_models.teacher_model.model_path={w.teacher}",
-        "distillation.teacher_models.teacher_model.inference.name=vllm",
-        "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=1",
-        "distillation.teacher_models.teacher_model.inference.gpu_memory_utilization=0.8",
-        f"distillation.teacher_models.teacher_model.inference.max_model_len={max_len}",
-        "distillation.teacher_models.teacher_model.inference.enforce_eager=False",
-        "distillation.distillation_loss.use_task_rewards=False",
-        "distillation.distillation_loss.use_policy_gradient=False",
-        "distillation.distillation_loss.loss_max_clamp=10.0", *loss,
-        f"reward.custom_reward_function.path={reward_path}", "reward.custom_reward_function.name=compute_score",
-        "trainer.use_v1=True", "trainer.v1.trainer_mode=sync", "trainer.nnodes=1",
-        f"trainer.n_gpus_per_node={w.gpus - 1}", "trainer.logger=['console','file']", "trainer.val_before_train=False",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume_mode=disable", "trainer.total_epochs=1",
-        f"trainer.total_training_steps={w.total_steps}", "trainer.project_name=opkd_bench_peers",
-        "trainer.experiment_name=verl", f"trainer.default_local_dir={run_dir}/checkpoints",
+        *_group("algorithm", adv_estimator="grpo", use_kl_in_reward=False),
+        *_group("data", train_files=f"['{data_path}']", val_files=f"['{data_path}']",
+                train_batch_size=w.prompts_per_step, max_prompt_length=max_len - w.max_new_tokens - 1,
+                max_response_length=w.max_new_tokens, shuffle=False, filter_overlong_prompts=False,
+                truncation="error", dataloader_num_workers=0),
+        *_group("actor_rollout_ref.model", path=w.student, custom_chat_template=f"'{RAW_TEMPLATE}'",
+                use_remove_padding=True, enable_gradient_checkpointing=False),
+        *_group("actor_rollout_ref.actor", strategy="fsdp", ppo_mini_batch_size=w.prompts_per_step,
+                ppo_epochs=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=tokens, use_kl_loss=False,
+                entropy_coeff=0),
+        *_group("actor_rollout_ref.actor.optim", lr=w.lr, weight_decay=0.0, clip_grad=w.clip_grad),
+        *_group("actor_rollout_ref.actor.fsdp_config", param_offload=False, optimizer_offload=False),
+        *_group("actor_rollout_ref.rollout", name="vllm", tensor_model_parallel_size=1,
+                gpu_memory_utilization=w.gpu_memory_utilization, n=w.samples_per_prompt,
+                temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, ignore_eos=w.fixed_length,
+                dtype=w.dtype, max_model_len=max_len, max_num_seqs=w.sequences_per_step, enforce_eager=False,
+                calculate_log_probs=False, log_prob_use_dynamic_bsz=True,
+                log_prob_max_token_len_per_gpu=tokens),
+        *_group("distillation", enabled=True, n_gpus_per_node=1, nnodes=1),
+        *_group("distillation.teacher_models.teacher_model", model_path=w.teacher),
+        *_group("distillation.teacher_models.teacher_model.inference", name="vllm",
+                tensor_model_parallel_size=1, gpu_memory_utilization=0.8, max_model_len=max_len,
+                enforce_eager=False),
+        *_group("distillation.distillation_loss", use_task_rewards=False, use_policy_gradient=False,
+                loss_max_clamp=10.0, **loss),
+        *_group("reward.custom_reward_function", path=reward_path, name="compute_score"),
+        *_group("trainer", use_v1=True, nnodes=1, n_gpus_per_node=w.gpus - 1, logger="['console','file']",
+                val_before_train=False, test_freq=-1, save_freq=-1, resume_mode="disable", total_epochs=1,
+                total_training_steps=w.total_steps, project_name="opkd_bench_peers", experiment_name="verl",
+                default_local_dir=f"{run_dir}/checkpoints"),
+        "trainer.v1.trainer_mode=sync",
     ]
 
 
@@ -125,14 +121,15 @@ def rows_from_log(w: Workload, path: str, version: str) -> list[StepRow]:
             train = data.get("timing_s/update_actor", 0.0) + data.get("timing_s/old_log_prob", 0.0)
             memory = data.get("perf/max_memory_allocated_gb")
             rows.append(StepRow(
-                runner="verl", step=len(rows), warmup=len(rows) < w.warmup_steps, step_s=data["timing_s/step"],
+                runner="verl", step=len(rows), warmup=len(rows) < w.warmup_steps,
+                step_s=data["timing_s/step"],
                 generation_s=data.get("timing_s/gen"), teacher_s=None, train_s=train,
                 weight_update_s=data.get("timing_s/update_weights"),
-                response_tokens=round(data["response_length/mean"] * w.sequences_per_step), objective=objective(w),
+                response_tokens=round(data["response_length/mean"] * w.sequences_per_step),
+                objective=objective(w),
                 peak_memory_gib=[round(memory, 2)] if memory is not None else None,
                 memory_source="verl perf/max_memory_allocated_gb (trainer)" if memory is not None else "",
-                version=version, notes="teacher scoring runs per sample inside generation (overlapped); "
-                                       "train = update_actor + old_log_prob; tokens = mean response length x samples"))
+                version=version, notes=NOTES))
     return rows
 
 
