@@ -126,11 +126,11 @@ def test_table_medians_leave_out_the_warmup_and_ratios_compare_tokens_per_second
     assert table[2]["objective"] == "not run: verl needs 2 GPUs" and table[2]["step s"] == "-"
 
 
-@pytest.mark.parametrize("teacher_kind,gpus", [("topk", 1), ("dense", 1), ("topk", 2)])
+@pytest.mark.parametrize("teacher_kind,gpus", [("topk", 1), ("dense", 1), ("topk", 2), ("dense", 2)])
 def test_opkd_overrides_load_into_the_gpu_config(tmp_path, teacher_kind, gpus):
     w = bench_peers.Workload(student="/s", teacher="/t", teacher_kind=teacher_kind, gpus=gpus, lr=3e-6)
     overrides = bench_peers.opkd_overrides(w, str(tmp_path / "run"), "/p.jsonl", on_gpu=True)
-    cfg = load_config(bench_peers.GPU_CONFIG, overrides, validate=False)
+    cfg = load_config(bench_peers.GPU_CONFIG, overrides, check_files=False)
     assert cfg.optim.lr == 3e-6 and cfg.model.student == "/s" and cfg.teacher.teachers[0].model == "/t"
     per_step = cfg.rollout.n * cfg.rollout.prompts_per_step
     assert per_step == cfg.parallel.global_batch_size == w.sequences_per_step

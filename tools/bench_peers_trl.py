@@ -24,6 +24,10 @@ backbone forward; projecting its hidden states through its LM head is inside the
 train), step = `on_step_begin` .. `on_step_end`, train = step - generation - teacher - weight update.
 
     python tools/bench_peers_trl.py WORKLOAD.json PROMPTS.jsonl ROWS.jsonl
+
+On a CPU it generates with transformers' `generate` (no vLLM), unless OPKD_PEERS_TRL_VLLM=1: then the
+colocated vLLM engine starts, and with the CPU build of vLLM 0.32 (newer than TRL 1.16 supports) the
+first weight sync fails inside vLLM (its CPU linear layers have no `weight_loader`).
 """
 from __future__ import annotations
 
@@ -95,7 +99,7 @@ def build_config(w: Workload, run_dir: str, on_gpu: bool, server_port: int | Non
     if per_step % w.micro_batch_size:
         raise ValueError(f"micro_batch_size: {w.micro_batch_size} must divide the {per_step} "
                          "sequences of a step")
-    use_vllm = on_gpu
+    use_vllm = on_gpu or os.environ.get("OPKD_PEERS_TRL_VLLM") == "1"
     vllm = dict(use_vllm=use_vllm, vllm_mode="server" if server_port else "colocate",
                 vllm_gpu_memory_utilization=w.gpu_memory_utilization, vllm_max_model_length=w.max_model_len)
     if server_port:
