@@ -121,6 +121,7 @@ def test_table_medians_leave_out_the_warmup_and_ratios_compare_tokens_per_second
     assert summaries[0]["step_s"] == {"p50": 2.0, "p20": 1.4, "p80": 2.6}
     assert summaries[0]["tokens_per_s"]["p50"] == 50.0 and summaries[1]["tokens_per_s"]["p50"] == 25.0
     assert summaries[0]["opkd_ratio"] == 1.0 and summaries[1]["opkd_ratio"] == 2.0
+    assert summaries[1]["opkd_train_speedup"] == 2.0 and summaries[2].get("opkd_train_speedup") is None
     table = bench_peers.table_rows(summaries)
     assert table[1]["step s"] == "4 (4-4)" and table[1]["generation s"] == "-"
     assert table[2]["objective"] == "not run: verl needs 2 GPUs" and table[2]["step s"] == "-"

@@ -369,12 +369,17 @@ def _teacher_label(w: Workload) -> str:
 
 
 def add_ratios(summaries: list[dict]) -> None:
-    """`opkd_ratio`: opkd's response tokens/s over this row's, same pair (None where opkd did not run)."""
-    opkd = {s["pair"]: s["tokens_per_s"]["p50"] for s in summaries
-            if s["runner"] == "opkd" and s.get("tokens_per_s")}
+    """Against opkd's row of the same pair (None where opkd or the stage did not run): `opkd_ratio` =
+    opkd's response tokens/s over this row's (whole steps; the plain row times its train stage only),
+    `opkd_train_speedup` = this row's train seconds over opkd's (the plain baseline's comparison)."""
+    opkd = {s["pair"]: s for s in summaries if s["runner"] == "opkd" and s.get("tokens_per_s")}
     for s in summaries:
-        rate = (s.get("tokens_per_s") or {}).get("p50")
-        s["opkd_ratio"] = round(opkd[s["pair"]] / rate, 3) if rate and s["pair"] in opkd else None
+        ref = opkd.get(s["pair"])
+        rate, train = (s.get("tokens_per_s") or {}).get("p50"), (s.get("train_s") or {}).get("p50")
+        s["opkd_ratio"] = round(ref["tokens_per_s"]["p50"] / rate, 3) if ref and rate else None
+        ref_train = (ref or {}).get("train_s") or {}
+        s["opkd_train_speedup"] = (round(train / ref_train["p50"], 3) if train and ref_train.get("p50")
+                                   else None)
 
 
 def _cell(value) -> str:
@@ -391,7 +396,8 @@ TABLE = (("runner", "runner"), ("pair", "pair"), ("teacher", "teacher"), ("gpus"
          ("generation_s", "generation s"), ("teacher_s", "teacher s"), ("train_s", "train s"),
          ("weight_update_s", "weight update s"), ("step_s", "step s"), ("response_tokens", "response tokens"),
          ("tokens_per_s", "response tokens/s"), ("peak_memory_gib", "peak GiB per GPU"),
-         ("opkd_ratio", "opkd tokens/s ÷ this"), ("objective", "objective"))
+         ("opkd_ratio", "opkd tokens/s ÷ this"), ("opkd_train_speedup", "this train s ÷ opkd's"),
+         ("objective", "objective"))
 
 
 def table_rows(summaries: list[dict]) -> list[dict]:
