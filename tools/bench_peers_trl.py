@@ -88,8 +88,8 @@ def start_vllm_server(w: Workload, gpu: str, log_path: str) -> tuple[subprocess.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
     cmd = [sys.executable, "-m", "trl.scripts.vllm_serve", "--model", w.student, "--port", str(port),
            "--gpu_memory_utilization", "0.8", "--max_model_len", str(w.max_model_len), "--dtype", w.dtype]
-    log = open(log_path, "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port
+    with open(log_path, "w") as log:  # the server keeps its own descriptor of the file
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port
 
 
 def build_config(w: Workload, run_dir: str, on_gpu: bool, server_port: int | None):
