@@ -4,7 +4,7 @@
     opkd train --config FILE [key=value ...]  distillation training (single process or torchrun)
     opkd teacher-serve --model DIR --k K      vLLM OpenAI server set up for top-k teacher scoring
     opkd convert hf-to-mcore|mcore-to-hf ...  checkpoint conversion (same as tools/convert_ckpt.py)
-    opkd bench kernels|weight-sync|teacher|models|step   benchmarks (same as tools/bench_*.py)
+    opkd bench kernels|weight-sync|teacher|models|step|peers   benchmarks (same as tools/bench_*.py)
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ COMMANDS = {
     "convert": ("opkd_mcore.models.convert", "main", "convert checkpoints HF <-> Megatron"),
 }
 BENCHMARKS = {"kernels": "bench_kernels.py", "weight-sync": "bench_weight_sync.py",
-              "teacher": "bench_teacher.py", "models": "bench_models.py", "step": "bench_step.py"}
+              "teacher": "bench_teacher.py", "models": "bench_models.py", "step": "bench_step.py",
+              "peers": "bench_peers.py"}
 
 
 def _usage() -> str:

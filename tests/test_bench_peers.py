@@ -1,0 +1,174 @@
+"""`opkd bench peers` on CPU: the workload definition and its --help, the plain runner on a tiny model
+pair (rows, times, token counts), the plain objective against the project's own loss, the overrides
+each runner derives from the workload, and the table's medians and ratios. The opkd runner (a real
+vLLM engine) is the slow test; TRL's and verl's runs belong to the GPU machine."""
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from dataclasses import asdict, fields, replace
+
+import pytest
+import torch
+
+from opkd_mcore.cli import main as cli_main
+from opkd_mcore.config.loader import load_config
+from opkd_mcore.data import ALPHABET
+from opkd_mcore.losses import DenseTeacher, TopKTeacher, kd_loss
+from opkd_mcore.models.tiny import save_tiny_hf_model
+from tools import bench_peers, bench_peers_verl, plain_step
+
+STEP_KEYS = {f.name for f in fields(bench_peers.StepRow)}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peers_models")
+    student = save_tiny_hf_model(str(root / "student"), seed=1, alphabet=ALPHABET)
+    teacher = save_tiny_hf_model(str(root / "teacher"), seed=2, alphabet=ALPHABET)
+    return student, teacher
+
+
+def tiny_workload(student: str, teacher: str, **changes) -> bench_peers.Workload:
+    base = bench_peers.Workload(student=student, teacher=teacher, prompts_per_step=3, samples_per_prompt=2,
+                                max_new_tokens=5, task_digits=2, steps=2, warmup_steps=0, micro_batch_size=4,
+                                teacher_top_k=8, dtype="float32")
+    return replace(base, **changes)
+
+
+def test_help_documents_every_workload_field_with_its_default():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
+        cli_main(["bench", "peers", "--help"])
+    assert stop.value.code == 0
+    text = out.getvalue()
+    epilog = text.split("the workload (", 1)[1].splitlines()
+    for f in fields(bench_peers.Workload):
+        line = next((ln for ln in epilog if ln.split()[:1] == [f.name]), None)
+        assert line is not None, f"--help does not list the workload field {f.name}"
+        assert str(f.default) in line and f.metadata["help"][:20] in line
+    for flag in ("--runners", "--pairs", "--teacher", "--gpus", "--results"):
+        assert flag in text
+
+
+def test_workload_prompts_are_fixed_by_the_seed_and_distinct_per_step():
+    w = bench_peers.Workload(prompts_per_step=4, steps=2, warmup_steps=1)
+    records = w.prompt_records()
+    assert len(records) == 12 and len({r["prompt"] for r in records}) == 12
+    assert records == w.prompt_records() and records != replace(w, seed=1).prompt_records()
+    with pytest.raises(ValueError, match="teacher_kind"):
+        replace(w, teacher_kind="sparse").validate()
+
+
+def test_micro_batches_mark_exactly_the_positions_that_predict_response_tokens():
+    sequences = plain_step.step_sequences([[1, 4, 5], [1, 6]], samples=2, response_len=3, vocab_size=20,
+                                          seed=0)
+    assert [len(ids) for ids, _ in sequences] == [6, 6, 5, 5]
+    batches = plain_step.pad_micro_batches(sequences, micro_batch_size=3, pad_id=0)
+    assert [b.input_ids.shape for b in batches] == [(3, 6), (1, 5)]
+    assert sum(b.num_loss_tokens for b in batches) == 4 * 3
+    # the third sequence: prompt of 2, so logits 1..3 predict its response tokens 2..4
+    assert batches[0].loss_mask[2].tolist() == [False, True, True, True, False, False]
+    assert batches[0].input_ids[2, 2:5].tolist() == sequences[2][0][2:] and batches[0].input_ids[2, 5] == 0
+
+
+def test_plain_objective_equals_the_projects_loss():
+    # the plain runner's torch loss against kd_loss (an independent implementation), float64
+    g = torch.Generator().manual_seed(3)
+    student, teacher = torch.randn(7, 41, generator=g, dtype=torch.float64), torch.randn(7, 41, generator=g)
+    dense = plain_step.forward_kl_sum(student, teacher_logits=teacher.double())
+    ref = kd_loss(student, DenseTeacher(logits=teacher.double())).sum()
+    assert torch.allclose(dense.double(), ref, rtol=1e-5)
+    logprobs, ids = torch.log_softmax(teacher.double(), -1).topk(5, -1)
+    topk = plain_step.forward_kl_sum(student, topk_ids=ids, topk_logprobs=logprobs)
+    ref = kd_loss(student, TopKTeacher(ids=ids, logprobs=logprobs), support="teacher", mass="renorm").sum()
+    assert torch.allclose(topk.double(), ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("teacher_kind", ["topk", "dense"])
+def test_plain_runner_reports_every_step_with_the_workloads_tokens(tiny_pair, tmp_path, teacher_kind):
+    w = tiny_workload(*tiny_pair, teacher_kind=teacher_kind)
+    ctx = bench_peers.make_context(w, str(tmp_path), [])
+    (tmp_path / "plain").mkdir()
+    rows = bench_peers.run_plain(w, str(tmp_path / "plain"), ctx)
+    assert [r.step for r in rows] == [0, 1] and not any(r.warmup for r in rows)
+    for row in rows:
+        assert set(asdict(row)) == STEP_KEYS and row.runner == "plain"
+        assert row.step_s > 0 and row.train_s == row.step_s
+        assert row.response_tokens == w.prompts_per_step * w.samples_per_prompt * w.max_new_tokens
+        assert row.generation_s is None and row.weight_update_s is None
+        assert (row.teacher_s is not None and 0 < row.teacher_s < row.step_s) == (teacher_kind == "dense")
+        assert row.objective and row.version.startswith("transformers") and row.peak_memory_gib[0] > 0
+    summary = bench_peers.summarize("plain", "tiny", w, rows)
+    assert summary["response_tokens"] == rows[0].response_tokens and summary["steps"] == 2
+
+
+def _row(runner, step, step_s, tokens=100, warmup=False):
+    return bench_peers.StepRow(runner=runner, step=step, warmup=warmup, step_s=step_s, train_s=step_s / 2,
+                               response_tokens=tokens, objective=f"{runner} loss")
+
+
+def test_table_medians_leave_out_the_warmup_and_ratios_compare_tokens_per_second():
+    w = bench_peers.Workload()
+    opkd = [_row("opkd", 0, 9.0, warmup=True), _row("opkd", 1, 1.0), _row("opkd", 2, 2.0),
+            _row("opkd", 3, 3.0)]
+    trl = [_row("trl", 0, 4.0), _row("trl", 1, 4.0), _row("trl", 2, 4.0)]
+    summaries = [bench_peers.summarize("opkd", "a", w, opkd), bench_peers.summarize("trl", "a", w, trl),
+                 {"runner": "verl", "pair": "a", "teacher": "top-64", "gpus": 1,
+                  "error": "verl needs 2 GPUs\nmore"}]
+    bench_peers.add_ratios(summaries)
+    assert summaries[0]["step_s"] == {"p50": 2.0, "p20": 1.4, "p80": 2.6}
+    assert summaries[0]["tokens_per_s"]["p50"] == 50.0 and summaries[1]["tokens_per_s"]["p50"] == 25.0
+    assert summaries[0]["opkd_ratio"] == 1.0 and summaries[1]["opkd_ratio"] == 2.0
+    assert summaries[1]["opkd_train_speedup"] == 2.0 and summaries[2].get("opkd_train_speedup") is None
+    table = bench_peers.table_rows(summaries)
+    assert table[1]["step s"] == "4 (4-4)" and table[1]["generation s"] == "-"
+    assert table[2]["objective"] == "not run: verl needs 2 GPUs" and table[2]["step s"] == "-"
+
+
+@pytest.mark.parametrize("teacher_kind,gpus", [("topk", 1), ("dense", 1), ("topk", 2), ("dense", 2)])
+def test_opkd_overrides_load_into_the_gpu_config(tmp_path, teacher_kind, gpus):
+    w = bench_peers.Workload(student="/s", teacher="/t", teacher_kind=teacher_kind, gpus=gpus, lr=3e-6)
+    overrides = bench_peers.opkd_overrides(w, str(tmp_path / "run"), "/p.jsonl", on_gpu=True)
+    cfg = load_config(bench_peers.GPU_CONFIG, overrides, check_files=False)
+    assert cfg.optim.lr == 3e-6 and cfg.model.student == "/s" and cfg.teacher.teachers[0].model == "/t"
+    per_step = cfg.rollout.n * cfg.rollout.prompts_per_step
+    assert per_step == cfg.parallel.global_batch_size == w.sequences_per_step
+    assert cfg.run.steps == w.total_steps and cfg.data.train_path == "/p.jsonl" and not cfg.data.shuffle
+    assert cfg.teacher.teachers[0].backend == ("vllm" if teacher_kind == "topk" else "megatron")
+    assert cfg.loss.support == ("teacher" if teacher_kind == "topk" else None)
+    assert cfg.controller.kind == ("ray" if gpus == 2 else "torchrun")
+
+
+def test_verl_overrides_follow_the_workload():
+    w = bench_peers.Workload(student="/s", teacher="/t", gpus=2)
+    args = dict(a.split("=", 1) for a in bench_peers_verl.verl_overrides(w, "/d.parquet", "/r.py", "/run"))
+    assert args["distillation.distillation_loss.loss_mode"] == "forward_kl_topk"
+    assert args["distillation.distillation_loss.topk"] == "64" and args["actor_rollout_ref.rollout.n"] == "4"
+    assert args["actor_rollout_ref.rollout.ignore_eos"] == "True" and args["trainer.n_gpus_per_node"] == "1"
+    assert args["trainer.total_training_steps"] == str(w.total_steps)
+    dense = dict(a.split("=", 1) for a in bench_peers_verl.verl_overrides(
+        replace(w, teacher_kind="dense"), "/d", "/r", "/run"))
+    assert dense["distillation.distillation_loss.loss_mode"] == "k3"
+
+
+def test_verl_with_one_gpu_and_a_missing_peer_fail_with_what_stopped_them(tmp_path):
+    w = bench_peers.Workload(gpus=1)
+    with pytest.raises(bench_peers.RunnerFailed, match="needs --gpus 2"):
+        bench_peers.run_verl(w, str(tmp_path), {})
+    with pytest.raises(bench_peers.RunnerFailed, match="no_such_peer is not importable by"):
+        bench_peers.python_can_import(sys.executable, "no_such_peer")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_opkd_runner_reads_its_stages_from_metrics(tiny_pair, tmp_path):
+    w = tiny_workload(*tiny_pair, prompts_per_step=2, warmup_steps=1, steps=1)
+    ctx = bench_peers.make_context(w, str(tmp_path), [])
+    (tmp_path / "opkd").mkdir()
+    rows = bench_peers.run_opkd(w, str(tmp_path / "opkd"), ctx)
+    assert [r.warmup for r in rows] == [True, False]
+    for row in rows:
+        assert row.generation_s > 0 and row.teacher_s > 0 and row.train_s > 0 and row.step_s > 0
+        assert 0 < row.response_tokens <= w.sequences_per_step * w.max_new_tokens
