@@ -135,6 +135,7 @@ def _served_step(rank, world, student_dir, teacher_dir, fused):
     from opkd_mcore.teacher.hidden_states import rows_from_states
     from opkd_mcore.train.components import build_student, shard_layout
     from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.train.stages import train_stage
     from opkd_mcore.train.teacher_setup import with_hidden_teacher_head
     from tests.test_train_integration import _scored
@@ -154,8 +155,10 @@ def _served_step(rank, world, student_dir, teacher_dir, fused):
             engine, _ = build_student(student_dir, OptimSection(lr=1.0, adam_eps=1.0, clip_grad=0.0))
             shard = with_hidden_teacher_head(cfg, shard_layout(engine), torch.float32)
             assert isinstance(scored.teacher[0], HiddenTeacher) and shard.teacher_vocab == V
-            result = train_stage(engine, scored, LossSection(fused_lm_head=mode, divergence="jsd", beta=0.3,
-                                                             temperature=1.5),
+            loss = LossSection(fused_lm_head=mode, divergence="jsd", beta=0.3, temperature=1.5)
+            plan = resolve_loss_plan(loss, device=engine.device, dtype=engine.params_dtype,
+                                     teacher_kind="hidden")
+            result = train_stage(engine, scored, plan,
                                  ParallelSection(micro_batch_size=2, global_batch_size=4), shard,
                                  ps.get_tensor_model_parallel_group())
             out[mode] = (result.metrics, [p.detach().clone() for p in engine.parameters()])

@@ -47,6 +47,7 @@ def _step(student_dir, teacher_dir, loss_kwargs, fused: str):
     from opkd_mcore.config import LossSection, ParallelSection, load_config
     from opkd_mcore.train.components import build_student, shard_layout, shared_padded_vocab
     from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.train.stages import train_stage
     from opkd_mcore.train.teacher_setup import build_in_step_teacher
 
@@ -63,7 +64,10 @@ def _step(student_dir, teacher_dir, loss_kwargs, fused: str):
     engine, _ = build_student(student_dir, OptimSection(lr=1.0, adam_eps=1.0, clip_grad=0.0),
                               padded_vocab=padded, teacher=teacher)
     before = dict(LAUNCHES)
-    result = train_stage(engine, scored, LossSection(fused_lm_head=fused, **loss_kwargs),
+    plan = resolve_loss_plan(LossSection(fused_lm_head=fused, **loss_kwargs), device=engine.device,
+                             dtype=engine.params_dtype,
+                             teacher_kind="topk" if teacher_dir is None else "in_step")
+    result = train_stage(engine, scored, plan,
                          ParallelSection(micro_batch_size=2, global_batch_size=4), shard_layout(engine),
                          ps.get_tensor_model_parallel_group())
     params = [p.detach().clone() for p in engine.parameters()]
@@ -174,22 +178,20 @@ def test_fused_lm_head_config_errors(models, overrides, match):
 
 def test_auto_is_on_only_where_the_triton_tiles_run():
     from opkd_mcore.config import LossSection
-    from opkd_mcore.losses import DenseTeacher, TopKTeacher
-    from opkd_mcore.train.objective import fused_lm_head_plan
+    from opkd_mcore.losses.plan import resolve_loss_plan
 
-    class Batch:
-        teacher = TopKTeacher(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1))
+    def fused_lm_head_plan(loss, teacher_kind):   # the decision, as the run makes it at start-up
+        plan = resolve_loss_plan(loss, device="cpu", dtype=torch.float32, teacher_kind=teacher_kind)
+        return plan.fused_lm_head
 
     auto = LossSection(fused_lm_head="auto", support="teacher")
-    assert not fused_lm_head_plan(auto, Batch, "cpu", torch.float32)        # the chunked twin: only with on
-    assert fused_lm_head_plan(LossSection(fused_lm_head="on", support="teacher"), Batch, "cpu", torch.float32)
-    Batch.teacher = DenseTeacher(torch.zeros(1, 1))
+    assert not fused_lm_head_plan(auto, "topk")        # the chunked twin: only with on
+    assert fused_lm_head_plan(LossSection(fused_lm_head="on", support="teacher"), "topk")
     with pytest.raises(ValueError, match="^loss.fused_lm_head: 'on' cannot run: the teacher hands over full"):
-        fused_lm_head_plan(LossSection(fused_lm_head="on"), Batch, "cpu", torch.float32)
-    Batch.teacher = TopKTeacher(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1))
+        fused_lm_head_plan(LossSection(fused_lm_head="on"), "dense")
     tiles = LossSection(fused_lm_head="on", support="teacher", lm_head_engine="tiles")
     with pytest.raises(ValueError, match="cannot run: loss.lm_head_engine: tiles needs the Triton kernels"):
-        fused_lm_head_plan(tiles, Batch, "cpu", torch.float32)
+        fused_lm_head_plan(tiles, "topk")
 
 
 def test_lm_head_engine_rule(monkeypatch):
@@ -197,11 +199,13 @@ def test_lm_head_engine_rule(monkeypatch):
     teacher on the full vocabulary, the tiles (None: impl's choice) for a sparse support; a named
     twin (cpp / torch) is never overridden."""
     from opkd_mcore.config import LossSection
-    from opkd_mcore.losses import HiddenTeacher, TopKTeacher
-    from opkd_mcore.train.objective import lm_head_engine
+    from opkd_mcore.losses.fused_linear import engine_name
+    from opkd_mcore.losses.plan import lm_head_engine_rule
 
-    hidden = HiddenTeacher(torch.zeros(2, 4), torch.zeros(8, 4))
-    topk = TopKTeacher(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1))
+    def lm_head_engine(loss, teacher_kind, rows=None):   # the rule with the kernels `rows` would run
+        return lm_head_engine_rule(loss, teacher_kind, None if rows is None else engine_name(rows, loss.impl))
+
+    hidden, topk = "hidden", "topk"   # teacher kinds reaching the head as HiddenTeacher / TopKTeacher
     assert lm_head_engine(LossSection(), hidden) == "chunked"
     assert lm_head_engine(LossSection(support="union", k=2), hidden) is None
     assert lm_head_engine(LossSection(support="teacher"), topk) is None
@@ -236,8 +240,9 @@ def test_lm_head_chunk_mb_reaches_the_rows_engine(monkeypatch):
     """`loss.lm_head_chunk_mb` is the rows engine's chunk budget in bytes (None: its own default)."""
     import opkd_mcore.train.objective as objective
     from opkd_mcore.config import LossSection
-    from opkd_mcore.losses import TopKTeacher
     from opkd_mcore.engine.lm_head import LmHeadInput
+    from opkd_mcore.losses import TopKTeacher
+    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.train.objective import StepCounts, make_loss_fn
 
     seen = []
@@ -252,6 +257,7 @@ def test_lm_head_chunk_mb_reaches_the_rows_engine(monkeypatch):
                             teacher=TopKTeacher(ids, torch.log_softmax(torch.randn(6, 3, generator=g), -1)))
     for mb in (None, 3):
         loss = LossSection(support="teacher", fused_lm_head="on", lm_head_engine="rows", lm_head_chunk_mb=mb)
-        scalar, _ = make_loss_fn(loss, StepCounts(num_tokens=6, num_seqs=1))(head, batch)
+        plan = resolve_loss_plan(loss, device="cpu", dtype=torch.float32, teacher_kind="topk")
+        scalar, _ = make_loss_fn(plan, StepCounts(num_tokens=6, num_seqs=1))(head, batch)
         scalar.backward()
     assert seen == [None, 3 << 20] and head.hidden.grad is not None

@@ -15,12 +15,14 @@ from opkd_mcore.engine.micro_batches import (
     micro_batch_groups,
     token_budget_micro_batches,
 )
+from opkd_mcore.losses.plan import resolve_loss_plan
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from opkd_mcore.train.objective import make_loss_fn
 from opkd_mcore.train.stages import ShardLayout, pack_micro_batches
 from tests._dist import run_distributed
 from tests.test_train_stages import V, _scored
 
+PLAN = resolve_loss_plan(LossSection(support="teacher"), device="cpu", dtype=torch.float64, teacher_kind="topk")
 LENGTHS = [37, 5, 18, 18, 2, 61, 9, 30, 11, 4, 26, 7]
 
 
@@ -84,7 +86,7 @@ def _step_on_logits(scored, student, par, dp_size):
         groups = micro_batch_groups([len(s.sequence) for s in scored.samples], dp_size, dp_rank,
                                     micro_batch_size=par.micro_batch_size,
                                     max_tokens=par.max_tokens_per_micro_batch)
-        loss_fn = make_loss_fn(LossSection(support="teacher"), counts)
+        loss_fn = make_loss_fn(PLAN, counts)
         for batch, idx in zip(batches, groups):
             value, _ = loss_fn(torch.cat([leaves[i] for i in idx]), batch)
             value.backward()
@@ -131,8 +133,9 @@ def _dp2_step(rank, world, model_dir, budget):
         # adam_eps=1: the update is ~ lr * g, so the weights after the step compare the gradients
         engine, _ = build_student(model_dir, OptimSection(lr=1.0, adam_eps=1.0, clip_grad=0.0))
         par = ParallelSection(micro_batch_size=1, global_batch_size=4, max_tokens_per_micro_batch=budget)
-        result = train_stage(engine, integration_scored(5, False), LossSection(support="teacher"), par,
-                             shard_layout(engine))
+        plan = resolve_loss_plan(LossSection(support="teacher"), device="cpu", dtype=torch.float32,
+                                 teacher_kind="topk")
+        result = train_stage(engine, integration_scored(5, False), plan, par, shard_layout(engine))
         return result.metrics, [p.detach().clone() for p in engine.parameters()]
     finally:
         destroy_parallel()

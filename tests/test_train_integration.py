@@ -79,6 +79,7 @@ def _train_once(model_dir, loss_kwargs, dense, impl, tp_group_size):
     from opkd_mcore.config import LossSection, ParallelSection
     from opkd_mcore.train.components import build_student, shard_layout
     from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.train.stages import train_stage
 
     # adam_eps=1 makes the update ~ lr * g (Adam's g/sqrt(v) would turn float noise in a ~0
@@ -87,7 +88,9 @@ def _train_once(model_dir, loss_kwargs, dense, impl, tp_group_size):
     before = dict(LAUNCHES)
     # the logits kernels: with the interpreter on, `fused_lm_head: auto` would take the fused LM head
     loss = LossSection(impl=impl, fused_lm_head="off", **loss_kwargs)
-    result = train_stage(engine, _scored(7, dense), loss,
+    plan = resolve_loss_plan(loss, device=engine.device, dtype=engine.params_dtype,
+                             teacher_kind="dense" if dense else "topk")
+    result = train_stage(engine, _scored(7, dense), plan,
                          ParallelSection(micro_batch_size=2, global_batch_size=4), shard_layout(engine),
                          ps.get_tensor_model_parallel_group())
     launches = {k: LAUNCHES[k] - before.get(k, 0) for k in LAUNCHES}
@@ -143,15 +146,15 @@ def test_triton_interpreter_runs_in_a_training_step(models):
 
 def test_fused_impl_that_cannot_run_is_refused_before_the_run(models):
     from opkd_mcore.config import ConfigError, load_config
-    from opkd_mcore.train.components import check_loss_impl
+    from opkd_mcore.train.components import loss_plan
 
     base = [f"model.student={models['student']}", f"teacher.teachers.0.model={models['student']}",
             "teacher.teachers.0.backend=hf", "loss.support=teacher"]
     with pytest.raises(ConfigError, match="^loss.impl: 'triton' cannot run here"):
-        check_loss_impl(load_config(None, base + ["loss.impl=triton"]))  # no GPU, no interpreter
+        loss_plan(load_config(None, base + ["loss.impl=triton"]))  # no GPU, no interpreter
     with pytest.raises(ConfigError, match="^loss.impl: 'cpp'.*policy_gradient"):
-        check_loss_impl(load_config(None, base + ["loss.impl=cpp", "loss.form=policy_gradient"]))
-    check_loss_impl(load_config(None, base + ["loss.impl=cpp"]))  # the twin is built here
+        loss_plan(load_config(None, base + ["loss.impl=cpp", "loss.form=policy_gradient"]))
+    loss_plan(load_config(None, base + ["loss.impl=cpp"]))  # the twin is built here
 
 
 # ---------------------------------------------------------------- the in-step Megatron teacher
@@ -163,6 +166,7 @@ def _in_step_teacher(rank, world, student_dir, teacher_dir, poison):
     from opkd_mcore.teacher.base import MalformedTeacherOutputError
     from opkd_mcore.train.components import build_student, shard_layout, shared_padded_vocab
     from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.train.stages import train_stage
     from opkd_mcore.train.teacher_setup import build_in_step_teacher
 
@@ -188,7 +192,9 @@ def _in_step_teacher(rank, world, student_dir, teacher_dir, poison):
             next(teacher.chunks[0].parameters()).data.fill_(float("nan"))
         before = [p.detach().clone() for p in engine.parameters()]
         try:
-            result = train_stage(engine, scored, LossSection(divergence="forward_kl"),
+            plan = resolve_loss_plan(LossSection(divergence="forward_kl"), device=engine.device,
+                                     dtype=engine.params_dtype, teacher_kind="in_step")
+            result = train_stage(engine, scored, plan,
                                  ParallelSection(micro_batch_size=2, global_batch_size=4), shard_layout(engine),
                                  ps.get_tensor_model_parallel_group())
             facts["metrics"] = result.metrics

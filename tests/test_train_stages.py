@@ -6,6 +6,7 @@ import torch
 
 from opkd_mcore.config import LoggingSection, LossSection, ParallelSection
 from opkd_mcore.losses import DenseTeacher, TopKTeacher
+from opkd_mcore.losses.plan import resolve_loss_plan
 from opkd_mcore.rollout import Sample
 from opkd_mcore.train.metrics import MetricsLogger, read_jsonl
 from opkd_mcore.train.objective import StepCounts, make_loss_fn
@@ -83,7 +84,8 @@ def test_step_loss_matches_float64_reference_and_is_micro_batch_invariant():
     for mbs in (1, 4):
         par = ParallelSection(micro_batch_size=mbs, global_batch_size=4)
         batches, counts = pack_micro_batches(scored, par, ShardLayout(vocab_local=V, padded_vocab=V))
-        loss_fn = make_loss_fn(loss_cfg, counts)
+        plan = resolve_loss_plan(loss_cfg, device="cpu", dtype=torch.float32, teacher_kind="topk")
+        loss_fn = make_loss_fn(plan, counts)
         total, start = 0.0, 0
         for batch in batches:
             logits = torch.cat(student[start:start + batch.num_sequences])
@@ -139,7 +141,8 @@ def _pg_worker(rank, world):
         cfg = LossSection(form="policy_gradient", kl_estimator="k3", pg_coef=0.5, clip_eps=0.2,
                           support="teacher")
         # a clone: like Megatron's cross entropy, the loss may consume the logits buffer in place
-        value, _ = make_loss_fn(cfg, counts)(logits.clone(), batch)
+        plan = resolve_loss_plan(cfg, device="cpu", dtype=torch.float32, teacher_kind="topk")
+        value, _ = make_loss_fn(plan, counts)(logits.clone(), batch)
         expected, start = 0.0, 0
         for sample, rows in zip(scored.samples, scored.teacher):
             p0 = len(sample.prompt_ids) - 1

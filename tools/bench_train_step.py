@@ -40,8 +40,8 @@ def parse_args(argv=None):
 
 
 def _batch(args, vocab: int, v_local: int, tp_rank: int):
-    from opkd_mcore.losses import DenseTeacher, TopKTeacher
     from opkd_mcore.engine.packing import pack_sequences
+    from opkd_mcore.losses import DenseTeacher, TopKTeacher
 
     g = torch.Generator().manual_seed(0)
     n_seq = args.tokens // args.seq
@@ -57,12 +57,13 @@ def _batch(args, vocab: int, v_local: int, tp_rank: int):
     return pack_sequences(seqs, [1] * n_seq, teacher=teacher)
 
 
-def _timed_steps(engine, batch, loss_fn, iters: int):
+def _timed_steps(engine, batch, loss_fn, fused_lm_head: bool, iters: int):
     """Timing of `iters` optimizer steps after one warm-up, and the peak memory above the model's state."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    timing = time_it(lambda: engine.train_step([batch], loss_fn), 1, iters, torch.cuda.synchronize)
+    timing = time_it(lambda: engine.train_step([batch], loss_fn, fused_lm_head=fused_lm_head), 1, iters,
+                     torch.cuda.synchronize)
     return timing, torch.cuda.max_memory_allocated() - base
 
 
@@ -86,12 +87,13 @@ def _loss_alone(batch, loss_fn, v_local: int, iters: int):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from opkd_mcore.config import LossSection
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.models import build_model
     from opkd_mcore.models.tiny import NAMED_SHAPES, make_char_tokenizer, tiny_hf_config
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.engine.megatron_engine import MegatronEngine
     from opkd_mcore.train.objective import StepCounts, make_loss_fn
-    from opkd_mcore.config.schema import OptimSection
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     init_parallel(ParallelConfig(tp=args.tp or world))
@@ -108,8 +110,10 @@ def main(argv=None) -> int:
     rows = []
     for impl in ("fused", "reference"):
         loss = LossSection(impl=impl, support="teacher" if args.k else None)
-        loss_fn = make_loss_fn(loss, counts, group)
-        step, peak = _timed_steps(engine, batch, loss_fn, args.iters)
+        plan = resolve_loss_plan(loss, device=engine.device, dtype=engine.params_dtype,
+                                 teacher_kind="topk" if args.k else "dense")
+        loss_fn = make_loss_fn(plan, counts, group)
+        step, peak = _timed_steps(engine, batch, loss_fn, plan.fused_lm_head, args.iters)
         alone = _loss_alone(batch, loss_fn, v_local, args.iters)
         rows.append(dict(impl=impl, **step.row("step_s"), **alone.row("loss_s"),
                          loss_share=round(alone.p50 / step.p50, 3), peak_above_model_gb=round(peak / 1e9, 2)))

@@ -20,6 +20,7 @@ from opkd_mcore.config.checks import (
     seed_in_range,
 )
 from opkd_mcore.config.errors import ConfigError
+from opkd_mcore.config.loss_rules import fused_lm_head_mode, lm_head_blocker, teacher_kind, teacher_output
 from opkd_mcore.config.model_checks import (
     TokenizerInfo,
     check_context,
@@ -67,12 +68,6 @@ DEVICES = (None, *DEVICE_TYPES)
 TRANSPORTS = ("auto", "group", "colocated_ipc")  # "auto" + keys of weight_sync.transport.TRANSPORTS
 TP_EXPORTS = ("auto", "gather", "peer")  # weight_sync.peer_export.TP_EXPORTS
 
-
-def teacher_output(t: TeacherEndpoint) -> str:
-    """What teacher `t` hands the loss: "dense" logits or "topk" rows (`auto`: dense for megatron)."""
-    if t.output != "auto":
-        return t.output
-    return "dense" if t.backend == "megatron" else "topk"
 
 def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
     """One teacher's own fields, without reading its checkpoint."""
@@ -242,14 +237,10 @@ def _check_loss(cfg: TrainConfig, student_shape: dict | None) -> None:
                           "the sampled tokens; a hidden-state teacher sends none (use 0)")
 
 
-def fused_lm_head_mode(value: str | bool) -> str:
-    """`loss.fused_lm_head` as "auto" | "on" | "off" (YAML reads a bare on / off as a boolean)."""
-    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
-
 def _check_fused_lm_head(cfg: TrainConfig) -> None:
-    """`loss.fused_lm_head: on` must be runnable for the whole run (`auto` falls back to off, said once
-    in the log; whether the device runs the chosen kernels is `train.components.check_loss_impl`'s)."""
+    """`loss.fused_lm_head: on` must take the run's objective and teacher (`loss_rules.lm_head_blocker`;
+    `auto` falls back to off). Whether the device runs the kernels it needs is decided with the loss
+    plan at start-up (`opkd_mcore.losses.plan.resolve_loss_plan`)."""
     loss = cfg.loss
     mode = fused_lm_head_mode(loss.fused_lm_head)
     choice("loss.fused_lm_head", mode, FUSED_LM_HEAD_MODES)
@@ -258,18 +249,12 @@ def _check_fused_lm_head(cfg: TrainConfig) -> None:
         positive("loss.lm_head_chunk_mb", loss.lm_head_chunk_mb)
     if mode != "on":
         return
-    if loss.form != "logit":
-        raise ConfigError("loss.fused_lm_head: 'on' fuses the output layer into the distillation loss; "
-                          "loss.form: policy_gradient scores the sampled token from materialised logits "
-                          "(use auto or off)")
-    if loss.impl == "reference":
-        raise ConfigError("loss.fused_lm_head: 'on' runs the fused LM-head kernels; loss.impl: reference "
-                          "materialises the logits (use loss.impl: auto, or fused_lm_head: off)")
-    for i, t in enumerate(cfg.teacher.teachers):
-        if teacher_output(t) == "dense" and t.backend != "megatron":
-            raise ConfigError(f"loss.fused_lm_head: 'on' needs the teacher as top-k rows, an in-step megatron "
-                              f"teacher or hidden states; teacher.teachers.{i} (backend {t.backend!r}, output "
-                              "dense) hands over full logits (use auto or off)")
+    teachers = cfg.teacher.teachers
+    first = next((i for i, t in enumerate(teachers) if teacher_output(t) == "dense"), 0)
+    named = f"teacher.teachers.{first} (backend {teachers[first].backend!r})"
+    blocker = lm_head_blocker(loss, teacher_kind(teachers), teacher=named)
+    if blocker is not None:
+        raise ConfigError(blocker.config_message())
 
 
 def _check_optim(cfg: TrainConfig) -> None:

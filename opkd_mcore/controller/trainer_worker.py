@@ -102,7 +102,7 @@ class TrainerWorker:
         from megatron.core import parallel_state as ps
 
         cfg = self.cfg
-        c.check_loss_impl(cfg)
+        self.loss_plan = c.loss_plan(cfg)
         os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
         timeout = timedelta(seconds=cfg.controller.call_timeout_s)
         store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
@@ -195,7 +195,7 @@ class TrainerWorker:
         if any(batch.stale):
             weights, extra = truncated_is_weights(self.engine, batch.samples, batch.stale, self.cfg.parallel,
                                                   self.shard, batch.is_truncation)
-        result = stages.train_stage(self.engine, scored, self.cfg.loss, self.cfg.parallel, self.shard,
+        result = stages.train_stage(self.engine, scored, self.loss_plan, self.cfg.parallel, self.shard,
                                     self.tp_group, sequence_weights=weights)
         metrics = {**result.metrics, **extra}
         if self.rank == 0:

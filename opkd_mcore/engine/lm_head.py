@@ -1,7 +1,8 @@
 """The fused LM head in a Megatron step: final hidden states instead of logits on the last stage.
 
-With `loss.fused_lm_head` on, the engine runs each GPTModel chunk with its output layer bypassed
-(`hidden_output`: Megatron's `GPTModel` returns the decoder's final-norm hidden states when
+When the run's loss plan turns the fused LM head on (`losses/plan.py`, passed to the engine as
+`train_step(..., fused_lm_head=True)`), the engine runs each GPTModel chunk with its output layer
+bypassed (`hidden_output`: Megatron's `GPTModel` returns the decoder's final-norm hidden states when
 `post_process` is off, on every release we support) and hands the loss an `LmHeadInput`: the hidden
 states of this rank `[T, H]` and the output-weight shard `[V_local, H]` the output layer would have
 used (the embedding when input and output weights are tied). The loss (`objective.make_loss_fn`)

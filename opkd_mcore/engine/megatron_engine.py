@@ -11,10 +11,10 @@ The engine owns the parallel training mechanics and nothing about distillation:
 * forward-only mode (`optim=None`) for a Megatron teacher or evaluation;
 * an optional dense teacher run inside the step (`engine/teacher_in_step.py`): its TP-sharded
   logits of each micro-batch reach `loss_fn` as the batch's `DenseTeacher`;
-* the fused LM head (`engine/lm_head.py`): when `loss_fn.lm_head_plan(batch, device, dtype)` says
-  so, the chunks run without their output layer and `loss_fn` receives an `LmHeadInput` (hidden
-  states + output-weight shard) instead of logits; an in-step teacher then hands over its hidden
-  states + weight shard as a `HiddenTeacher`;
+* the fused LM head (`engine/lm_head.py`): with `train_step(..., fused_lm_head=True)` (the run's
+  loss plan decides, `losses/plan.py`) the chunks run without their output layer and `loss_fn`
+  receives an `LmHeadInput` (hidden states + output-weight shard) instead of logits; an in-step
+  teacher then hands over its hidden states + weight shard as a `HiddenTeacher`;
 * a step whose loss or gradient norm is not finite is skipped (counted, never applied);
 * MoE students: Megatron's router load-balancing loss when the model was built with a coefficient,
   scaled per step, and the `moe/*` router metrics (`engine/moe_stats.py`);
@@ -189,14 +189,13 @@ class MegatronEngine:
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group(), trainable=False)
         return HiddenTeacher(rows.detach().to(dtype), output_weight(gpt).detach().to(dtype), self.teacher.vocab_size)
 
-    def _forward_step_func(self, loss_fn: LossFn | None):
-        """Megatron's forward_step_func: returns (output, loss closure) for one micro-batch."""
-        plan = getattr(loss_fn, "lm_head_plan", None)
+    def _forward_step_func(self, loss_fn: LossFn | None, fused_head: bool = False):
+        """Megatron's forward_step_func: returns (output, loss closure) for one micro-batch; with
+        `fused_head` the last stage hands `loss_fn` an `LmHeadInput` instead of logits."""
 
         def forward_step(data_iterator, model):
             batch, model_input = next(data_iterator)
             batch, model_input = batch.to(self.device), model_input.to(self.device)
-            fused_head = plan is not None and plan(batch, self.device, self.params_dtype)
             output = self._run_model(model, model_input, hidden=fused_head)
             if isinstance(output, tuple):  # last stage of a step with the teacher in it
                 output, teacher_out = output
@@ -232,7 +231,7 @@ class MegatronEngine:
         return loss, torch.ones((), dtype=torch.int, device=loss.device), reported
 
     def _run_schedule(self, micro_batches: list[PackedBatch], loss_fn, forward_only: bool,
-                      collect_logits: bool, with_teacher: bool = False) -> list:
+                      collect_logits: bool, with_teacher: bool = False, fused_lm_head: bool = False) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not micro_batches:
@@ -252,7 +251,7 @@ class MegatronEngine:
         if with_teacher:
             model = paired_chunks(self.model, self.teacher, self.config)
         return get_forward_backward_func()(
-            forward_step_func=self._forward_step_func(loss_fn),
+            forward_step_func=self._forward_step_func(loss_fn, fused_lm_head),
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=model if len(model) > 1 else model[0],
             num_microbatches=len(micro_batches),
@@ -261,7 +260,8 @@ class MegatronEngine:
         )
 
     # ------------------------------------------------------------------ public
-    def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn, *,
+                   fused_lm_head: bool = False) -> dict[str, float]:
         """Forward + backward over `micro_batches`, then clip, step and advance the LR schedule.
 
         `loss_fn(logits_local [T, V_local], batch) -> (loss, metrics)`: `loss` is a scalar already
@@ -271,6 +271,8 @@ class MegatronEngine:
         `train/grad_norm`, `train/lr`, `train/update_applied`, `train/skipped_steps` (steps so far
         whose loss or gradient norm was not finite: those are never applied).
         With a teacher in the step, each batch's `teacher` is replaced by the teacher's logits.
+        `fused_lm_head`: the last stage skips the output layer and `loss_fn` gets an `LmHeadInput`
+        (hidden states + output-weight shard; an in-step teacher's as a `HiddenTeacher`).
         """
         if self.optimizer is None:
             raise RuntimeError("train_step: this engine is forward-only (built with optim=None)")
@@ -285,7 +287,8 @@ class MegatronEngine:
             self.teacher.acquire()
         try:
             per_micro_batch = self._run_schedule(micro_batches, loss_fn, forward_only=False,
-                                                 collect_logits=False, with_teacher=self.teacher is not None)
+                                                 collect_logits=False, with_teacher=self.teacher is not None,
+                                                 fused_lm_head=fused_lm_head)
         finally:
             if self.teacher is not None:
                 self.teacher.release()

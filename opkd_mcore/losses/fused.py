@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import functools
 import logging
-from types import SimpleNamespace
 
 import torch
 
 from opkd_kernels import cpu_backend
-from opkd_kernels.fused_kd import KdSpec, fused_kd_loss, select_backend
+from opkd_kernels.fused_kd import COVERED_DTYPES, fused_kd_loss, select_backend
+from opkd_mcore.losses import validation
 from opkd_mcore.losses.support_kd import select_support
 from opkd_mcore.losses.teacher_outputs import DenseTeacher
 from opkd_mcore.platform import device as platform_device
 
 log = logging.getLogger(__name__)
 
-_COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BACKENDS = ("auto", "triton", "cpp")
 
 
@@ -47,10 +46,11 @@ def _cpu_twin_built() -> bool:
 
 
 def backend_for(student_logits: torch.Tensor, backend: str = "auto") -> str | None:
-    """The fused backend that would run on `student_logits` ("triton" | "cpp"), or None."""
+    """The fused backend that would run on `student_logits` ("triton" | "cpp"), or None; reads only
+    its `device` and `dtype` (the loss plan asks with a stand-in before anything is allocated)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
-    if student_logits.dtype not in _COVERED_DTYPES:
+    if student_logits.dtype not in COVERED_DTYPES:
         return None
     if backend != "auto":
         return backend
@@ -61,23 +61,6 @@ def backend_for(student_logits: torch.Tensor, backend: str = "auto") -> str | No
             return "cpp"
         _say_twin_missing()
     return None
-
-
-def require_fused(impl: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Before a run: the fused backend `impl` will use on `device`/`dtype` (None for "reference",
-    or "auto" without kernels); ValueError naming `loss.impl` when a requested one cannot run."""
-    if impl == "reference":
-        return None
-    # dispatch reads only these two attributes: no allocation (which would open a device context)
-    probe = SimpleNamespace(device=torch.device(device), dtype=dtype)
-    name = backend_for(probe, "auto" if impl in ("auto", "fused") else impl)
-    if name is not None:
-        name = name if select_backend(probe, name) is not None else None
-    if name is None and impl != "auto":
-        raise ValueError(f"loss.impl: {impl!r} cannot run here: no fused kernel for {dtype} logits on "
-                         f"a {device.type} device (Triton needs a GPU or TRITON_INTERPRET=1; the C++ "
-                         "twin needs the opkd_kernels._cpu extension); use impl: auto or reference")
-    return name
 
 
 def fused_kd_loss_or_none(student_logits: torch.Tensor, teacher, *, divergence: str = "forward_kl",
@@ -99,8 +82,8 @@ def fused_kd_loss_or_none(student_logits: torch.Tensor, teacher, *, divergence: 
     if impl is None:
         log.debug("fused KD: backend %s unavailable for %s tensors", name, student_logits.device.type)
         return None
-    spec = KdSpec(divergence=divergence, beta=float(beta), temperature=float(temperature),
-                  support=support, k=k, mass=mass, coverage_coef=float(coverage_coef))
+    spec = validation.objective_spec(divergence=divergence, beta=beta, temperature=temperature,
+                                     support=support, k=k, mass=mass, coverage_coef=coverage_coef)
     dense = teacher.logits.detach() if isinstance(teacher, DenseTeacher) else None
     ids = logprobs = None
     if support is not None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from opkd_kernels import cpu_backend
-from opkd_kernels.fused_kd import KdSpec
+from opkd_kernels.fused_kd import COVERED_DTYPES, KdSpec
 from opkd_kernels.fused_linear_kd import fused_linear_kd_loss
 from opkd_kernels.linear_kd_rows import check_row_weights, rows_linear_kd_loss
 from opkd_mcore.losses import validation
@@ -40,7 +40,6 @@ from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, TopKT
 from opkd_mcore.platform import device as platform_device
 
 IMPLS = ("auto", "reference", "fused", "triton", "cpp", "torch")
-COVERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PADDED_LOGIT = -1.0e4   # = opkd_kernels.linear_kd_common.PAD_LOGIT = engine.megatron_engine.PADDED_VOCAB_LOGIT
 
 
@@ -79,7 +78,7 @@ def _vocab_end(vocab_end: int | None, v_local: int, group) -> int | None:
     return max(0, min(v_local, vocab_end - vp.shard_offset(v_local, group)))
 
 
-def _check(hidden, weight, teacher, *, k, tp_group, validate, opts, impl):
+def _check(hidden, weight, teacher, spec: KdSpec, *, tp_group, validate, impl):
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if not isinstance(teacher, (HiddenTeacher, TopKTeacher)):
@@ -102,9 +101,9 @@ def _check(hidden, weight, teacher, *, k, tp_group, validate, opts, impl):
             raise ValueError(f"teacher.weight: expected a {hidden.dtype} tensor of shape {(v_local, th.shape[1])} "
                              f"(sharded like the student's weight), got {validation._describe(tw)}")
         stand_in = DenseTeacher(as_logits)
-    validation.check_options(stand_in, impl="auto", **opts)
+    validation.check_options(stand_in, spec, impl="auto")
     tp = vp.group_size(tp_group)
-    validation.check_shapes(as_logits, stand_in, k=k, tp_size=tp)
+    validation.check_shapes(as_logits, stand_in, k=spec.k, tp_size=tp)
     if validate:
         if isinstance(teacher, TopKTeacher):
             validation.check_values(teacher, vocab=v_local * tp)
@@ -139,20 +138,18 @@ def materialised_linear_kd_loss(hidden, weight, teacher, *, vocab_end=None, teac
                    impl=impl, **kd)
 
 
-def _kernel_operands(weight, teacher, opts, tp_group, vocab_end, teacher_vocab_end):
-    """`(KdSpec, (h_t, W_t, ids, logprobs), shard-local vocabulary ends)` for the opkd_kernels entries."""
-    spec = KdSpec(**{**opts, "beta": float(opts["beta"]), "temperature": float(opts["temperature"]),
-                     "coverage_coef": float(opts["coverage_coef"])})
+def _kernel_operands(weight, teacher, spec: KdSpec, tp_group, vocab_end, teacher_vocab_end):
+    """`((h_t, W_t, ids, logprobs), shard-local vocabulary ends)` for the opkd_kernels entries."""
     if isinstance(teacher, HiddenTeacher):
         operands = (teacher.hidden.detach(), teacher.weight.detach(), None, None)
     else:
         # the same choice of ids as kd_loss (top-k of a wider teacher, ties)
-        ids, logprobs, _ = select_support(None, teacher, support=opts["support"], k=opts["k"], group=tp_group)
+        ids, logprobs, _ = select_support(None, teacher, support=spec.support, k=spec.k, group=tp_group)
         operands = (None, None, ids, logprobs)
     v_local = weight.shape[0]
     ends = {"student_vocab_end": _vocab_end(vocab_end, v_local, tp_group),
             "teacher_vocab_end": _vocab_end(teacher_vocab_end, v_local, tp_group)}
-    return spec, operands, ends
+    return operands, ends
 
 
 def linear_kd_loss(hidden, weight, teacher, **kwargs) -> torch.Tensor:
@@ -169,10 +166,10 @@ def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teache
     """`(per-token loss [N], LinearKDStats | None)`; stats are None on the reference path.
 
     `engine`: overrides `impl`: an `opkd_kernels` engine object (tests and benchmarks set block sizes)
-    or a name `select_linear_engine` takes (the trainer passes "chunked", `loss.lm_head_engine`)."""
-    opts = dict(divergence=divergence, beta=beta, temperature=temperature, support=support, k=k, mass=mass,
-                coverage_coef=coverage_coef)
-    _check(hidden, weight, teacher, k=k, tp_group=tp_group, validate=validate, opts=opts, impl=impl)
+    or a name `select_linear_engine` takes (the trainer passes its loss plan's `linear_engine`)."""
+    spec = validation.objective_spec(divergence=divergence, beta=beta, temperature=temperature,
+                                     support=support, k=k, mass=mass, coverage_coef=coverage_coef)
+    _check(hidden, weight, teacher, spec, tp_group=tp_group, validate=validate, impl=impl)
     if isinstance(teacher, HiddenTeacher) and teacher_vocab_end is None:
         teacher_vocab_end = teacher.vocab_size
     name = engine or engine_name(hidden, impl)
@@ -181,10 +178,11 @@ def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teache
             raise ValueError(f"impl: {impl!r} was requested but the fused LM-head kernels take {COVERED_DTYPES}, "
                              f"got {hidden.dtype}")
         loss = materialised_linear_kd_loss(hidden, weight, teacher, vocab_end=vocab_end,
-                                           teacher_vocab_end=teacher_vocab_end, tp_group=tp_group, **opts)
+                                           teacher_vocab_end=teacher_vocab_end, tp_group=tp_group,
+                                           **validation.kd_kwargs(spec))
         return loss, None
 
-    spec, operands, ends = _kernel_operands(weight, teacher, opts, tp_group, vocab_end, teacher_vocab_end)
+    operands, ends = _kernel_operands(weight, teacher, spec, tp_group, vocab_end, teacher_vocab_end)
     out = fused_linear_kd_loss(hidden, weight, *operands, spec=spec, tp_group=tp_group, backend=name,
                                return_stats=True, **ends)
     loss, teacher_mass, student_mass, lse, top1 = out
@@ -213,21 +211,21 @@ def linear_kd_loss_weighted(hidden: torch.Tensor, weight: torch.Tensor, teacher,
     on CPU when built, else torch). `chunk_rows` / `chunk_bytes`: rows per chunk, or the budget of
     the chunk's logits buffers (defaults: `opkd_kernels.linear_kd_rows`); the same on every TP rank.
     The gradients are computed in the forward and handed out by one backward."""
-    opts = {"divergence": divergence, "beta": beta, "temperature": temperature, "support": support, "k": k,
-            "mass": mass, "coverage_coef": coverage_coef}
-    _check(hidden, weight, teacher, k=k, tp_group=tp_group, validate=validate, opts=opts, impl=impl)
+    spec = validation.objective_spec(divergence=divergence, beta=beta, temperature=temperature,
+                                     support=support, k=k, mass=mass, coverage_coef=coverage_coef)
+    _check(hidden, weight, teacher, spec, tp_group=tp_group, validate=validate, impl=impl)
     _check_row_weights(row_weights, hidden, validate)
     if isinstance(teacher, HiddenTeacher) and teacher_vocab_end is None:
         teacher_vocab_end = teacher.vocab_size
     name = engine_name(hidden, impl)
     if name is None:   # float64 or impl="reference": materialised logits, autograd as usual
-        loss, _ = linear_kd_loss_with_stats(hidden, weight, teacher, **opts, tp_group=tp_group, impl=impl,
-                                            validate=False, vocab_end=vocab_end,
+        loss, _ = linear_kd_loss_with_stats(hidden, weight, teacher, **validation.kd_kwargs(spec),
+                                            tp_group=tp_group, impl=impl, validate=False, vocab_end=vocab_end,
                                             teacher_vocab_end=teacher_vocab_end)
         c = row_weights.detach().to(loss.dtype)
         return torch.where(c != 0, c * loss, torch.zeros_like(loss)).sum(), loss.detach(), None
 
-    spec, operands, ends = _kernel_operands(weight, teacher, opts, tp_group, vocab_end, teacher_vocab_end)
+    operands, ends = _kernel_operands(weight, teacher, spec, tp_group, vocab_end, teacher_vocab_end)
     scalar, loss, teacher_mass, student_mass, lse, top1 = rows_linear_kd_loss(
         hidden, weight, *operands, row_weights=row_weights, spec=spec, tp_group=tp_group, backend=name,
         chunk_rows=chunk_rows, chunk_bytes=chunk_bytes, **ends)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opkd_kernels.fused_kd import KdSpec
 from opkd_mcore.losses import validation
 from opkd_mcore.losses import vocab_parallel as vp
 from opkd_mcore.losses.full_vocab import compute_dtype, full_vocab_kd
@@ -83,9 +84,9 @@ def kd_loss_with_stats(student_logits, teacher, *, overlap_k: int | None = None,
 def _kd_loss(student_logits, teacher, *, divergence="forward_kl", beta=0.5, temperature=1.0, support=None,
              k=None, mass="renorm", coverage_coef=0.0, tp_group=None, impl="auto", validate=True,
              token_chunk=None, with_stats=False, overlap_k=None):
-    opts = dict(divergence=divergence, beta=beta, temperature=temperature, support=support, k=k, mass=mass,
-                coverage_coef=coverage_coef)
-    validation.check_options(teacher, impl=impl, **opts)
+    spec = validation.objective_spec(divergence=divergence, beta=beta, temperature=temperature,
+                                     support=support, k=k, mass=mass, coverage_coef=coverage_coef)
+    validation.check_options(teacher, spec, impl=impl)
     if token_chunk is not None and not (isinstance(token_chunk, int) and token_chunk >= 1):
         raise ValueError(f"token_chunk: expected a positive int or None, got {token_chunk!r}")
     tp_size = vp.group_size(tp_group)
@@ -94,21 +95,23 @@ def _kd_loss(student_logits, teacher, *, divergence="forward_kl", beta=0.5, temp
         validation.check_values(teacher, vocab=student_logits.shape[1] * tp_size)
     if impl != "reference":
         fused = fused_kd_loss_or_none(student_logits, teacher, tp_group=tp_group, return_masses=True,
-                           backend="auto" if impl == "fused" else impl, **opts)
+                                      backend="auto" if impl == "fused" else impl,
+                                      **validation.kd_kwargs(spec))
         if fused is not None:
             loss, teacher_mass, student_mass, ids = fused
             if not with_stats:
                 return loss, None
-            overlap = _fused_overlap(student_logits, teacher, ids, support, overlap_k or k, tp_group)
+            k_overlap = overlap_k or spec.k
+            overlap = _fused_overlap(student_logits, teacher, ids, spec.support, k_overlap, tp_group)
             return loss, KDStats(teacher_mass, student_mass, overlap)
         if impl != "auto":
             raise ValueError(f"impl: {impl!r} was requested but no fused kernel covers this "
                              f"configuration/device ({divergence=}, {support=}, {mass=}, "
                              f"dtype={student_logits.dtype}, device={student_logits.device.type})")
     if token_chunk is None or student_logits.shape[0] <= token_chunk:
-        return _reference_path(student_logits, teacher, opts, tp_group, with_stats, overlap_k)
+        return _reference_path(student_logits, teacher, spec, tp_group, with_stats, overlap_k)
     chunks = zip(torch.split(student_logits, token_chunk), _split_rows(teacher, token_chunk))
-    pieces = [_reference_path(logits, part, opts, tp_group, with_stats, overlap_k) for logits, part in chunks]
+    pieces = [_reference_path(logits, part, spec, tp_group, with_stats, overlap_k) for logits, part in chunks]
     loss = torch.cat([piece[0] for piece in pieces])
     if not with_stats:
         return loss, None
@@ -125,24 +128,23 @@ def _split_rows(teacher, chunk: int):
                                                        torch.split(teacher.logprobs, chunk))]
 
 
-def _reference_path(student_logits, teacher, opts, tp_group, with_stats, overlap_k):
+def _reference_path(student_logits, teacher, spec: KdSpec, tp_group, with_stats, overlap_k):
     """The autograd Functions of this package: `(loss [N], KDStats or None)`."""
-    divergence, beta, temperature = opts["divergence"], float(opts["beta"]), float(opts["temperature"])
-    support, k, mass = opts["support"], opts["k"], opts["mass"]
-    if support is None:
-        loss = full_vocab_kd(student_logits, teacher.logits, temperature=temperature, divergence=divergence,
-                             beta=beta, group=tp_group)
-        stats = _full_vocab_stats(student_logits, teacher, overlap_k or k, tp_group) if with_stats else None
-        return loss, stats
-    ids, logprobs, student_topk = select_support(student_logits, teacher, support=support, k=k,
+    if spec.support is None:
+        loss = full_vocab_kd(student_logits, teacher.logits, temperature=spec.temperature,
+                             divergence=spec.divergence, beta=spec.beta, group=tp_group)
+        if not with_stats:
+            return loss, None
+        return loss, _full_vocab_stats(student_logits, teacher, overlap_k or spec.k, tp_group)
+    ids, logprobs, student_topk = select_support(student_logits, teacher, support=spec.support, k=spec.k,
                                                  group=tp_group)
     dense_logits = teacher.logits.detach() if isinstance(teacher, DenseTeacher) else None
     loss, teacher_mass, student_mass = SupportKD.apply(
-        student_logits, dense_logits, ids, logprobs, temperature, divergence, beta, mass,
-        float(opts["coverage_coef"]), tp_group)
+        student_logits, dense_logits, ids, logprobs, spec.temperature, spec.divergence, spec.beta, spec.mass,
+        spec.coverage_coef, tp_group)
     if not with_stats:
         return loss, None
-    overlap = _overlap(student_logits, teacher, ids, student_topk, support, overlap_k, tp_group)
+    overlap = _overlap(student_logits, teacher, ids, student_topk, spec.support, overlap_k, tp_group)
     return loss, KDStats(teacher_mass, student_mass, overlap)
 
 

@@ -1,15 +1,17 @@
 """Input checks for `kd_loss`: every failure is a `ValueError` naming the argument.
 
-`check_options` and `check_shapes` look only at Python values and tensor metadata (no host sync).
-`check_values` reads tensor contents (NaN, id range, duplicate ids): it costs extra passes and one
-host sync each, which is why `kd_loss(validate=False)` skips it.
+`objective_spec`, `check_options` and `check_shapes` look only at Python values and tensor
+metadata (no host sync). `check_values` reads tensor contents (NaN, id range, duplicate ids): it
+costs extra passes and one host sync each, which is why `kd_loss(validate=False)` skips it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
+from opkd_kernels.fused_kd import KdSpec
 from opkd_mcore.losses.divergences import DIVERGENCES
 from opkd_mcore.losses.support_kd import MASSES
 from opkd_mcore.losses.teacher_outputs import PAD_ID, DenseTeacher, TopKTeacher
@@ -23,14 +25,12 @@ def _choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
 
 
-def check_options(teacher, *, divergence, beta, temperature, support, k, mass, coverage_coef, impl) -> None:
-    """Argument values and combinations the contract rejects."""
-    if not isinstance(teacher, (DenseTeacher, TopKTeacher)):
-        raise ValueError(f"teacher: expected DenseTeacher or TopKTeacher, got {type(teacher).__name__}")
+def objective_spec(*, divergence, beta, temperature, support, k, mass, coverage_coef) -> KdSpec:
+    """`kd_loss`'s seven objective keywords, checked and packed once as the kernels' `KdSpec` (numbers
+    as floats): every layer below an entry point takes the spec, not the keywords."""
     _choice("divergence", divergence, DIVERGENCES)
     _choice("support", support, SUPPORTS)
     _choice("mass", mass, MASSES)
-    _choice("impl", impl, IMPLS)
     if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
         raise ValueError(f"beta: expected a number in [0, 1], got {beta!r}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
@@ -40,18 +40,32 @@ def check_options(teacher, *, divergence, beta, temperature, support, k, mass, c
     if mass == "raw" and divergence != "forward_kl":
         raise ValueError(f"mass: expected 'renorm' or 'tail' with divergence={divergence!r}; "
                          "'raw' is defined for divergence='forward_kl' only")
-    if isinstance(teacher, TopKTeacher):
-        if support is None:
-            raise ValueError("support: expected 'teacher' with a TopKTeacher, got None (the exact "
-                             "full-vocabulary divergence needs a DenseTeacher)")
-        if support == "union":
-            raise ValueError("support: expected 'teacher' with a TopKTeacher, got 'union' (it needs teacher "
-                             "values on the student's top-k ids, so it is defined for a DenseTeacher only)")
-    elif support is not None and k is None:
-        raise ValueError(f"k: expected an int >= 1 (the top-k size) with support={support!r} and a "
-                         "DenseTeacher, got None")
     if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
         raise ValueError(f"k: expected a positive int or None, got {k!r}")
+    return KdSpec(divergence=divergence, beta=float(beta), temperature=float(temperature), support=support,
+                  k=k, mass=mass, coverage_coef=float(coverage_coef))
+
+
+def kd_kwargs(spec: KdSpec) -> dict:
+    """The spec as `kd_loss` keywords (divergence, beta, temperature, support, k, mass, coverage_coef)."""
+    return dataclasses.asdict(spec)
+
+
+def check_options(teacher, spec: KdSpec, *, impl) -> None:
+    """What the contract rejects for this teacher and `impl` (the objective itself: `objective_spec`)."""
+    if not isinstance(teacher, (DenseTeacher, TopKTeacher)):
+        raise ValueError(f"teacher: expected DenseTeacher or TopKTeacher, got {type(teacher).__name__}")
+    _choice("impl", impl, IMPLS)
+    if isinstance(teacher, TopKTeacher):
+        if spec.support is None:
+            raise ValueError("support: expected 'teacher' with a TopKTeacher, got None (the exact "
+                             "full-vocabulary divergence needs a DenseTeacher)")
+        if spec.support == "union":
+            raise ValueError("support: expected 'teacher' with a TopKTeacher, got 'union' (it needs teacher "
+                             "values on the student's top-k ids, so it is defined for a DenseTeacher only)")
+    elif spec.support is not None and spec.k is None:
+        raise ValueError(f"k: expected an int >= 1 (the top-k size) with support={spec.support!r} and a "
+                         "DenseTeacher, got None")
 
 
 def check_shapes(student_logits: torch.Tensor, teacher, *, k, tp_size: int) -> None:

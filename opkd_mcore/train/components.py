@@ -11,14 +11,12 @@ import dataclasses
 import logging
 import os
 
-import torch
-
-from opkd_mcore.config import ConfigError
+from opkd_mcore.config.loss_rules import teacher_kind
 from opkd_mcore.config.schema import OptimSection, TrainConfig
 from opkd_mcore.data import PromptSampler, build_datasets
 from opkd_mcore.data.rewards import TaskRewards
 from opkd_mcore.engine.megatron_engine import MegatronEngine
-from opkd_mcore.losses.fused import require_fused
+from opkd_mcore.losses.plan import LossPlan, resolve_loss_plan
 from opkd_mcore.models import TORCH_DTYPES, build_model, load_hf_config, load_hf_weights
 from opkd_mcore.models.builder import padded_vocab_size
 from opkd_mcore.platform import device_type, is_cpu, is_rank0
@@ -102,19 +100,12 @@ def task_rewards(cfg: TrainConfig):
     return TaskRewards(cfg.data.rewards)
 
 
-def check_loss_impl(cfg: TrainConfig) -> None:
-    """`loss.impl` that cannot be honoured on this device is an error before anything runs."""
-    impl = cfg.loss.impl
-    if cfg.loss.form == "policy_gradient":
-        if impl not in ("auto", "reference"):
-            raise ConfigError(f"loss.impl: {impl!r} names a fused distillation kernel, but "
-                              "loss.form: policy_gradient uses Megatron's cross entropy; use auto")
-        return
-    try:
-        name = require_fused(impl, torch.device(device_type(cfg.run.device)), TORCH_DTYPES[cfg.model.params_dtype])
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    logger.info("loss: %s", f"fused kernels ({name})" if name else "torch reference path")
+def loss_plan(cfg: TrainConfig) -> LossPlan:
+    """The run's loss path (`losses/plan.py`), decided once before anything runs, for this device, the
+    student's dtype and the run's teacher; `ConfigError` naming the key when a request cannot run."""
+    return resolve_loss_plan(cfg.loss, device=device_type(cfg.run.device),
+                             dtype=TORCH_DTYPES[cfg.model.params_dtype],
+                             teacher_kind=teacher_kind(cfg.teacher.teachers))
 
 
 def build_rollout(cfg: TrainConfig, model_dir: str | None = None, tensor_parallel_size: int = 1,
@@ -205,7 +196,7 @@ def build_run(cfg: TrainConfig, *, resume: bool = False):
     from transformers import AutoTokenizer
 
     # vLLM engines first: importing vLLM after the CPU emulation is on trips torch.compile
-    check_loss_impl(cfg)
+    plan = loss_plan(cfg)
     rollout = build_rollout(cfg) if is_rank0() else None
     teacher = build_scoring_teacher(cfg, student_vocab_size(cfg)) if is_rank0() else None
     init_distributed(cfg)
@@ -216,7 +207,7 @@ def build_run(cfg: TrainConfig, *, resume: bool = False):
                             shuffle=cfg.data.shuffle)
     run = DistillationRun(cfg=cfg, engine=engine, chunks=chunks, rollout=rollout, teacher=teacher,
                           syncer=syncer, tokenizer=AutoTokenizer.from_pretrained(cfg.model.student),
-                          dataset=train_set, sampler=sampler, shard=shard, tp_group=tp_group,
+                          dataset=train_set, sampler=sampler, shard=shard, loss_plan=plan, tp_group=tp_group,
                           rewards=task_rewards(cfg))
     if resume:  # `entry.train` has checked the directory already; nothing to resume is an error
         run.state = load_checkpoint(require_checkpoint(cfg.run.output_dir), engine)

@@ -18,6 +18,7 @@ from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.data import PromptDataset, PromptSampler, encode_record
 from opkd_mcore.data.rewards import TaskRewards
 from opkd_mcore.engine.megatron_engine import MegatronEngine
+from opkd_mcore.losses.plan import LossPlan
 from opkd_mcore.platform import is_rank0
 from opkd_mcore.rollout import VllmRollout
 from opkd_mcore.rollout.vllm_rollout import sample_seed
@@ -56,6 +57,7 @@ class DistillationRun:
     dataset: PromptDataset
     sampler: PromptSampler
     shard: stages.ShardLayout
+    loss_plan: LossPlan  # the run's loss path, decided once at start-up (losses/plan.py)
     tp_group: ProcessGroup | None = None
     state: TrainerState = field(default_factory=TrainerState)
     rewards: TaskRewards | None = None  # when the loss uses task rewards
@@ -80,7 +82,7 @@ class DistillationRun:
             if self.rewards is not None:
                 timings.update(stages.reward_stage(scored, self.rewards, self.tokenizer))
         scored, timings = stages.share_from_rank0((scored, timings if is_rank0() else None))
-        result = stages.train_stage(self.engine, scored, self.cfg.loss, self.cfg.parallel, self.shard,
+        result = stages.train_stage(self.engine, scored, self.loss_plan, self.cfg.parallel, self.shard,
                                     self.tp_group)
         self._log_samples(prompts, drawn_from, scored)
         self.state.step += 1

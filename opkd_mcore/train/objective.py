@@ -4,20 +4,17 @@ Only positions with `loss_mask == 1` (those predicting a response token) are sco
 normalised by the *global* count of the step (tokens or sequences, per `loss.aggregation`), so
 micro-batch size, gradient accumulation and DP do not change the loss scale. Metrics are returned
 as sums already divided by that same global count, so the engine can add them over micro-batches
-and DP ranks and get step means.
+and DP ranks and get step means. Which kernels and which LM-head engine run is the run's loss plan
+(`losses/plan.py`), decided once at start-up; this module only follows it.
 """
 from __future__ import annotations
 
 import copy
-import functools
-import logging
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from opkd_mcore.config.schema import LossSection
-from opkd_mcore.config.validate import fused_lm_head_mode
 from opkd_mcore.engine.lm_head import LmHeadInput
 from opkd_mcore.engine.packing import PackedBatch
 from opkd_mcore.losses import (
@@ -32,9 +29,8 @@ from opkd_mcore.losses import (
     policy_gradient_kd_loss,
 )
 from opkd_mcore.losses import vocab_parallel as vp
-from opkd_mcore.losses.fused_linear import engine_name, hidden_teacher_logits
-
-logger = logging.getLogger(__name__)
+from opkd_mcore.losses.fused_linear import hidden_teacher_logits
+from opkd_mcore.losses.plan import LossPlan
 
 
 @dataclass
@@ -63,12 +59,15 @@ def _teacher_token_logprobs(teacher: TopKTeacher, targets_N: torch.Tensor) -> to
     return torch.where(hit.any(1), listed, floor - torch.log(torch.tensor(2.0)))
 
 
-def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
-    """`loss_fn(logits_local [T, V_local], batch) -> (scalar, metrics)` for the engine.
+def make_loss_fn(plan: LossPlan, counts: StepCounts, tp_group=None):
+    """`loss_fn(logits_local [T, V_local] | LmHeadInput, batch) -> (scalar, metrics)` for the engine,
+    running the loss path `plan` decided (`losses/plan.py`); the engine hands over an `LmHeadInput`
+    (hidden states + output-weight shard) exactly when `plan.fused_lm_head`.
 
     The loss runs on all T rows of the micro-batch and `loss_mask` selects the response rows:
     gathering those rows first would copy the logits (and their gradient) once more.
     """
+    loss = plan.loss
 
     def loss_fn(logits_local: torch.Tensor | LmHeadInput, batch: PackedBatch):
         mask = batch.loss_mask
@@ -77,10 +76,13 @@ def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
                "num_seqs": batch.num_sequences}
         scalar = None
         if isinstance(logits_local, LmHeadInput):  # the fused LM head: hidden states + weight shard
+            if not plan.fused_lm_head:
+                raise ValueError(f"logits_local: got an LmHeadInput, but the loss plan has the fused LM head "
+                                 f"off ({plan.lm_head_reason}); the engine must get fused_lm_head=False")
             row_weights = None
-            if lm_head_engine(loss, batch.teacher, logits_local.hidden) == "rows":   # the scalar's weights, before the loss
+            if plan.lm_head_engine == "rows":   # the scalar's weights, before the loss
                 row_weights = aggregate_row_weights(mask, batch.seq_ids, **agg)
-            per_token, metrics, scalar = _fused_head_kd(logits_local, batch, loss, tp_group, row_weights)
+            per_token, metrics, scalar = _fused_head_kd(logits_local, batch, plan, tp_group, row_weights)
         elif isinstance(batch.teacher, HiddenTeacher):  # fused head off: the teacher's logits, formed here
             batch = copy.copy(batch)
             batch.teacher = DenseTeacher(hidden_teacher_logits(batch.teacher, tp_group, dtype=logits_local.dtype))
@@ -88,7 +90,7 @@ def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
         elif loss.form == "policy_gradient":
             per_token, metrics = _policy_gradient(logits_local, batch, loss)
         else:
-            per_token, metrics = _distribution_kd(logits_local, batch, loss, tp_group)
+            per_token, metrics = _distribution_kd(logits_local, batch, plan, tp_group)
         if scalar is None:
             scalar = aggregate(per_token, mask, batch.seq_ids, **agg)
         denom = float(counts.num_tokens)
@@ -99,87 +101,10 @@ def make_loss_fn(loss: LossSection, counts: StepCounts, tp_group=None):
         out["train/response_tokens"] = mask.sum()
         return scalar, out
 
-    # the engine asks, per micro-batch, whether to hand over hidden states instead of logits
-    loss_fn.lm_head_plan = functools.partial(fused_lm_head_plan, loss)
     return loss_fn
 
 
-# ---------------------------------------------------------------- the fused LM head
-def _engine_impl(impl: str) -> str:
-    return {"fused": "auto"}.get(impl, impl)
-
-
-@functools.lru_cache(maxsize=None)
-def _say_lm_head(decision: str) -> None:
-    logger.info("loss.fused_lm_head: %s", decision)
-
-
-def _lm_head_not_covered(loss: LossSection, teacher) -> str | None:
-    if loss.form != "logit":
-        return "loss.form: policy_gradient scores the sampled token from materialised logits"
-    if loss.impl == "reference":
-        return "loss.impl: reference materialises the logits"
-    if isinstance(teacher, DenseTeacher):
-        return "the teacher hands over full-vocabulary logits (output: dense)"
-    return None   # top-k rows, hidden states, or the in-step Megatron teacher (None until the step)
-
-
-def fused_lm_head_plan(loss: LossSection, batch: PackedBatch, device, dtype: torch.dtype) -> bool:
-    """True when the step should run the output layer inside the loss for `batch` (`loss_fn` then
-    gets an `LmHeadInput`). `auto`: where the Triton tiles run and the objective and teacher are
-    covered; the chunked twin on CPU / NPU trades one more pass for memory, so it is on only when
-    asked for (`on`). The decision is logged once."""
-    mode = fused_lm_head_mode(loss.fused_lm_head)
-    if mode == "off":
-        _say_lm_head("off (loss.fused_lm_head: off)")
-        return False
-
-    why = _lm_head_not_covered(loss, batch.teacher)
-    engine = None
-    if why is None:
-        # engine_name reads only these two attributes: no allocation on the device
-        engine = engine_name(SimpleNamespace(device=torch.device(device), dtype=dtype), _engine_impl(loss.impl))
-        if engine is None:
-            why = f"no fused LM-head kernel takes {dtype}"
-        elif mode == "auto" and engine != "triton":
-            why = f"auto turns it on where the Triton tiles run; here the chunked {engine} twin would (use on)"
-        elif loss.lm_head_engine == "tiles" and engine != "triton":
-            why = f"loss.lm_head_engine: tiles needs the Triton kernels; here the chunked {engine} twin runs"
-    if why is not None:
-        if mode == "on":
-            raise ValueError(f"loss.fused_lm_head: 'on' cannot run: {why}")
-        _say_lm_head(f"off ({why})")
-        return False
-    _say_lm_head(f"on ({engine} kernels, lm_head_engine: {loss.lm_head_engine})")
-    return True
-
-
-def lm_head_engine(loss: LossSection, teacher, hidden=None) -> str | None:
-    """The fused LM head's engine for `teacher` and the student's `hidden` rows (a tensor, or anything
-    with its `device` and `dtype`): "rows", "chunked", or None for `loss.impl`'s choice (the Triton
-    tiles on a GPU, the chunked twin elsewhere). `auto` takes `rows` where the Triton kernels run:
-    forming the logits once per chunk of rows and the gradients in the forward does the 4 GEMMs of
-    the unfused path instead of 6, 1.07-1.24x the GEMMs alone against 1.85-2.7x for the recomputing
-    engines, with ~1.2 GiB of chunk buffers (docs/benchmarks.md, 2026-11-25 H100). Elsewhere `auto`
-    keeps the chunked twin, which holds one [rows, 4096] block. A named engine is taken as asked
-    (`rows` on any device, `loss.impl` picking its logits kernels); a named twin (cpp / torch)
-    is never overridden."""
-    impl = _engine_impl(loss.impl)
-    if loss.lm_head_engine == "rows":
-        return "rows"
-    if impl not in ("auto", "triton"):   # cpp / torch named: the twin, as asked
-        return None
-    if loss.lm_head_engine == "chunked":
-        return "chunked"
-    if loss.lm_head_engine == "auto":
-        if hidden is not None and engine_name(hidden, impl) == "triton":
-            return "rows"
-        if isinstance(teacher, HiddenTeacher) and loss.support is None:
-            return "chunked"
-    return None
-
-
-def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group, row_weights=None):
+def _fused_head_kd(head: LmHeadInput, batch, plan: LossPlan, tp_group, row_weights=None):
     """`kd_loss` of the logits `head.hidden @ head.weight.T`, never formed whole: (per-token
     loss, metrics, scalar). With `row_weights` (the rows engine) the scalar is `sum(row_weights *
     loss)`, back-propagated as is; without, None (the caller aggregates the per-token loss)."""
@@ -188,18 +113,15 @@ def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group, row_we
         # served rows arrive in bf16; the kernels take one operand dtype (the student's)
         teacher = HiddenTeacher(teacher.hidden.to(head.hidden.dtype), teacher.weight.to(head.hidden.dtype),
                                 teacher.vocab_size)
-    kd = {"divergence": loss.divergence, "beta": loss.beta, "temperature": loss.temperature,
-          "support": loss.support, "k": loss.k, "mass": loss.mass, "coverage_coef": loss.coverage_coef,
-          "tp_group": tp_group, "impl": _engine_impl(loss.impl), "validate": isinstance(teacher, TopKTeacher),
-          "vocab_end": head.vocab_size}
+    kd = {**plan.kd_kwargs(), "tp_group": tp_group, "impl": plan.lm_head_kernels,
+          "validate": isinstance(teacher, TopKTeacher), "vocab_end": head.vocab_size}
     scalar = None
     if row_weights is not None:
-        chunk_bytes = None if loss.lm_head_chunk_mb is None else loss.lm_head_chunk_mb << 20
         scalar, per_token, stats = linear_kd_loss_weighted(head.hidden, head.weight, teacher, row_weights,
-                                                           chunk_bytes=chunk_bytes, **kd)
+                                                           chunk_bytes=plan.lm_head_chunk_bytes, **kd)
     else:
         per_token, stats = linear_kd_loss_with_stats(head.hidden, head.weight, teacher,
-                                                     engine=lm_head_engine(loss, teacher, head.hidden), **kd)
+                                                     engine=plan.linear_engine, **kd)
     metrics = {"kd/teacher_mass_on_support": stats.teacher_mass,
                "kd/student_mass_on_support": stats.student_mass}
     if isinstance(teacher, HiddenTeacher):  # dense teacher: agreement and NaN rows from the stats pass
@@ -208,11 +130,9 @@ def _fused_head_kd(head: LmHeadInput, batch, loss: LossSection, tp_group, row_we
     return per_token, metrics, scalar
 
 
-def _distribution_kd(logits, batch, loss: LossSection, tp_group):
+def _distribution_kd(logits, batch, plan: LossPlan, tp_group):
     per_token, stats = kd_loss_with_stats(
-        logits, batch.teacher, divergence=loss.divergence, beta=loss.beta, temperature=loss.temperature,
-        support=loss.support, k=loss.k, mass=loss.mass, coverage_coef=loss.coverage_coef,
-        tp_group=tp_group, impl=loss.impl,
+        logits, batch.teacher, **plan.kd_kwargs(), tp_group=tp_group, impl=plan.kd_impl,
         # top-k rows are cheap to check here; dense rows were checked where they were made
         # (a NaN scan of [N, V] logits would cost a full-size mask)
         validate=not isinstance(batch.teacher, DenseTeacher))

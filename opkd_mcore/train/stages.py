@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from opkd_mcore.config.schema import LossSection, ParallelSection
+from opkd_mcore.config.schema import ParallelSection
 from opkd_mcore.data.rewards import TaskRewards, group_advantages
 from opkd_mcore.engine.megatron_engine import MegatronEngine
 from opkd_mcore.engine.micro_batches import micro_batch_groups
 from opkd_mcore.engine.packing import PackedBatch, pack_sequences
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, teacher_confidence_scores, teacher_confidence_weights
+from opkd_mcore.losses.plan import LossPlan
 from opkd_mcore.losses.teacher_outputs import PAD_ID, HiddenTeacher
 from opkd_mcore.rollout import Sample, SamplingConfig, VllmRollout
 from opkd_mcore.teacher.base import SampleScorer, TeacherOutput
@@ -204,19 +205,20 @@ def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLa
     return batches, counts
 
 
-def train_stage(engine: MegatronEngine, scored: ScoredBatch, loss: LossSection, par: ParallelSection,
+def train_stage(engine: MegatronEngine, scored: ScoredBatch, plan: LossPlan, par: ParallelSection,
                 shard: ShardLayout, tp_group: ProcessGroup | None = None,
                 sequence_weights: torch.Tensor | None = None) -> TrainResult:
-    """One optimizer step of the student on the scored samples. `sequence_weights` (one per sample,
-    e.g. the Ray controller's truncated importance weights of stale samples) multiply the
-    teacher-confidence weights."""
+    """One optimizer step of the student on the scored samples, along the run's loss `plan`
+    (`losses/plan.py`). `sequence_weights` (one per sample, e.g. the Ray controller's truncated
+    importance weights of stale samples) multiply the teacher-confidence weights."""
     start = time.perf_counter()
-    weights = confidence_weights(scored, loss.confidence_alpha)
+    weights = confidence_weights(scored, plan.loss.confidence_alpha)
     if sequence_weights is not None:
         weights = sequence_weights if weights is None else weights * sequence_weights
     micro_batches, counts = pack_micro_batches(scored, par, shard, weights)
     packed = time.perf_counter()
-    metrics = engine.train_step(micro_batches, make_loss_fn(loss, counts, tp_group))
+    metrics = engine.train_step(micro_batches, make_loss_fn(plan, counts, tp_group),
+                                fused_lm_head=plan.fused_lm_head)
     # host-side packing vs the device step: where a slow train stage goes (e.g. a one-CPU Ray actor)
     metrics["timing/train_pack"] = packed - start
     return TrainResult(metrics=metrics, seconds=time.perf_counter() - start)
