@@ -91,7 +91,7 @@ def test_both_launchers_write_the_same_samples_lines(tmp_path):
     samples = [_sample(0, teacher="math"), _sample(0, teacher="math"), _sample(1), _sample(1)]
     indices, epochs = [3, 0], [0, 1]  # the second prompt is the first of the next epoch
     run = DistillationRun(cfg=cfg, engine=None, chunks=[], rollout=None, teacher=None, syncer=None,
-                          tokenizer=None, dataset=range(4), sampler=None, shard=stages.ShardLayout(),
+                          tokenizer=None, dataset=range(4), sampler=None, shard=stages.ShardLayout(), loss_plan=None,
                           state=TrainerState(step=6, weight_version=2),
                           samples_log=SamplesLog(str(tmp_path / "torchrun")))
     run._log_samples(stages.PromptBatch(indices=indices, prompt_ids=[[1, 2]] * 2, data=[{}, {}]),
