@@ -327,9 +327,9 @@ def _check_task(cfg: TrainConfig) -> None:
     digits = data.task_digits
     positive("data.task_digits", digits)
     prompt_tokens = 2 * digits + 3  # "07+45=" and a BOS; no tokenizer splits an ASCII char further
-    # equality is fine: a vLLM teacher's engine holds one position more than the rollout's (a
-    # sequence that fills the rollout's context is scored as a prompt); the prompts are measured
-    # again with the real tokenizer and chat template at start-up (data.build_train_set)
+    # equality is fine: a vLLM teacher scores a sample that fills the rollout's context (its last
+    # token through a sampled token's logprobs); the prompts are measured again with the real
+    # tokenizer and chat template at start-up (data.build_train_set)
     if prompt_tokens + ro.max_new_tokens > ro.max_model_len:
         raise ConfigError(f"data.task_digits: {digits}-digit prompts take up to {prompt_tokens} tokens "
                           f"(one per character, before any chat template), "
