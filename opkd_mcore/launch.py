@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         # every rank checks what it reads itself; rank 0 alone asks the teacher servers (one probe
         # per server, not one per rank)
         preflight(cfg, resume=args.resume, export_only=args.export_only, overwrite=args.overwrite,
-                  probe_servers=is_rank0())
+                  probe_servers=is_rank0(), check_prompts=args.check)
     except ConfigError as err:
         for line in str(err).splitlines():
             print(f"opkd train: error: {line}", file=sys.stderr)

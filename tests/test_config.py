@@ -252,6 +252,7 @@ def test_optim_config_rejects_non_finite(name, value):
     (["data.prompt_key="], "data.prompt_key", "non-empty"),
     (["data.messages_key="], "data.messages_key", "non-empty"),
     (["data.chat_template=jinja"], "data.chat_template", "expected one of"),
+    (["data.overlong=truncate"], "data.overlong", "expected one of ['error', 'skip']"),
     (["data.rewards={math: my_pkg.rewards}"], "data.rewards.math", "module:function"),
     (["data.rewards={math: 'my-pkg:score'}"], "data.rewards.math", "module:function"),
     (["data.rewards={math: 'my_pkg:'}"], "data.rewards.math", "module:function"),

@@ -151,6 +151,37 @@ def test_flat_prompt_logprobs_give_the_rows_of_the_dict_form(tempered_teacher, m
     scored = VllmTeacher(llm, VllmTeacherConfig(k=k)).score(SEQUENCES)
     assert len(outputs) == len(SEQUENCES)
     for rows, out in zip(scored, outputs):
-        ranked = [[(tok, lp.logprob, lp.rank) for tok, lp in pos.items()] for pos in out.prompt_logprobs[1:]]
+        # prompt positions 1.., then the token sampled after them (which scores the sequence's last token)
+        positions = [*out.prompt_logprobs[1:], *out.outputs[0].logprobs]
+        ranked = [[(tok, lp.logprob, lp.rank) for tok, lp in pos.items()] for pos in positions]
         want = _reference_topk(ranked, k, tempered_teacher.vocab_size)
         assert torch.equal(rows.ids, want.ids) and torch.equal(rows.logprobs, want.logprobs)
+
+
+def test_the_run_teacher_scores_a_sample_that_fills_the_rollout_context(tmp_path):
+    """A sample of exactly rollout.max_model_len tokens (a prompt that leaves just max_new_tokens,
+    and a response that uses them all) goes through the in-process teacher the run builds, with a
+    teacher whose positions end there too (max_position_embeddings = rollout.max_model_len); its
+    rows match transformers. vLLM's generate runner refuses a prompt that fills its context, and
+    an engine one position longer than the model allows is refused too."""
+    from opkd_mcore.config import RolloutSection, TeacherEndpoint, TeacherSection, TrainConfig
+    from opkd_mcore.models.tiny import TinyModelShape
+    from opkd_mcore.train.teacher_setup import build_scoring_teacher
+
+    max_model_len, k = 32, 4
+    shape = TinyModelShape(max_position_embeddings=max_model_len)
+    model = save_tiny_hf_model(str(tmp_path / "short"), shape=shape, seed=6, init_std=0.1)
+    endpoint = TeacherEndpoint(backend="vllm", model=model, top_k=k, dtype="float32")
+    memory = engine_kwargs()["gpu_memory_utilization"]
+    cfg = TrainConfig(rollout=RolloutSection(max_model_len=max_model_len, max_new_tokens=8,
+                                             gpu_memory_utilization=memory),
+                      teacher=TeacherSection(teachers=[endpoint]))
+    teacher = build_scoring_teacher(cfg)
+    try:
+        full = [1] + [3 + (i * 7) % 13 for i in range(max_model_len - 1)]
+        rows = teacher.score([full, full[:5]])
+    finally:
+        teacher.close()
+    assert [r.ids.shape for r in rows] == [(max_model_len - 1, k), (4, k)]
+    for seq, got in zip([full, full[:5]], rows):
+        assert_same_topk(got, reference_logprobs(model, seq), k)

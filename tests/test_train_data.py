@@ -60,7 +60,7 @@ def test_jsonl_and_parquet_datasets(tmp_path):
     train, held = build_datasets(DataSection(train_path=str(tmp_path / "p.parquet"), prompt_key="question",
                                              eval_path=str(jsonl)))
     assert [train.prompt(i) for i in range(5)] == [ds.prompt(i) for i in range(5)] and len(held) == 5
-    with pytest.raises(ValueError, match="prompt column 'prompt'"):
+    with pytest.raises(ValueError, match='has neither a prompt field "prompt"'):
         PromptDataset.from_file(str(jsonl))
 
 
@@ -121,10 +121,10 @@ def test_prompts_are_encoded_as_the_tokenizer_does_and_chats_through_the_templat
     wrapped = tok.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True,
                                       tokenize=True, return_dict=False)
     assert encode_record(tok, ds, 0, "always") == list(wrapped)
-    with pytest.raises(ValueError, match="data record 1: has chat messages .* 'none'"):
+    with pytest.raises(ValueError, match="dataset: record 1: has chat messages .* 'none'"):
         encode_record(tok, ds, 1, "none")
     tok.chat_template = None
     with pytest.raises(ValueError, match="need a chat template"):
         encode_record(tok, ds, 1)
-    with pytest.raises(ValueError, match="'messages' must be a non-empty list"):
+    with pytest.raises(ValueError, match='field "messages": expected a non-empty list'):
         PromptDataset([{"messages": "hi"}])

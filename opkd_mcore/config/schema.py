@@ -34,6 +34,7 @@ PLACEMENTS = ("disaggregated", "colocated")
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("addition",)
 CHAT_TEMPLATES = ("auto", "always", "none")
+OVERLONG_POLICIES = ("error", "skip")  # data.overlong
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BUILTIN_REWARDS = ("exact_match",)  # data.rewards values besides "module:function"
 SEED_MAX = 2**31 - 1  # seeds reach numpy (32-bit) after Megatron and vLLM add rank/step offsets
@@ -210,6 +211,11 @@ class DataSection:
     data_source_key: str = "data_source"  # column used for teacher routing
     messages_key: str = "messages"  # column holding chat messages (used instead of prompt_key when present)
     chat_template: str = "auto"  # auto: chat template for `messages` records | always: also wraps a text prompt as a user turn | none: raw text
+    # a prompt whose tokens (chat template applied) + rollout.max_new_tokens exceed rollout.max_model_len,
+    # found before any engine starts: error (each named by file:line and length) | skip (removed before
+    # sampling: prompt_index and the audit's dataset size count the kept prompts; the log says how many,
+    # <output_dir>/skipped_prompts.jsonl lists each by index as read, file location and length)
+    overlong: str = "error"
     rewards: dict[str, str] = field(default_factory=dict)  # data_source -> "exact_match" | "module:function"
     task: str | None = "addition"  # synthetic task when train_path is None
     task_digits: int = 2  # synthetic addition: max digits per operand

@@ -49,6 +49,7 @@ from opkd_mcore.config.schema import (
     LOSS_IMPLS,
     MASSES,
     OVERLAPPED_SCHEDULES,
+    OVERLONG_POLICIES,
     PLACEMENTS,
     ROUTINGS,
     SCHEDULES,
@@ -324,6 +325,9 @@ def _check_task(cfg: TrainConfig) -> None:
     digits = data.task_digits
     positive("data.task_digits", digits)
     prompt_tokens = 2 * digits + 3  # "07+45=" and a BOS; no tokenizer splits an ASCII char further
+    # equality is fine: a vLLM teacher scores a sample that fills the rollout's context (its last
+    # token through a sampled token's logprobs); the prompts are measured again with the real
+    # tokenizer and chat template at start-up (data.build_train_set)
     if prompt_tokens + ro.max_new_tokens > ro.max_model_len:
         raise ConfigError(f"data.task_digits: {digits}-digit prompts take up to {prompt_tokens} tokens "
                           f"(one per character, before any chat template), "
@@ -342,6 +346,7 @@ def _check_data(cfg: TrainConfig, check_files: bool) -> None:
     for key in ("prompt_key", "answer_key", "data_source_key", "messages_key"):
         non_empty(f"data.{key}", getattr(data, key))
     choice("data.chat_template", data.chat_template, CHAT_TEMPLATES)
+    choice("data.overlong", data.overlong, OVERLONG_POLICIES)
     for source, reward in data.rewards.items():
         if not source.strip():
             raise ConfigError(f"data.rewards: expected data_source names as keys, got {source!r}")

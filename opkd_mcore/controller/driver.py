@@ -32,7 +32,7 @@ from opkd_mcore.controller.groups import (
 from opkd_mcore.controller.placement import cpus_needed
 from opkd_mcore.controller.schedules import Pipeline, StepWork
 from opkd_mcore.controller.trainer_worker import TrainBatch
-from opkd_mcore.data import PromptSampler, build_datasets
+from opkd_mcore.data import PromptSampler
 from opkd_mcore.data.rewards import TaskRewards
 from opkd_mcore.train import stages
 from opkd_mcore.train.checkpoint import (
@@ -41,6 +41,7 @@ from opkd_mcore.train.checkpoint import (
     prepare_run_dir,
     rollout_version_on_resume,
 )
+from opkd_mcore.train.components import load_train_data, record_skipped
 from opkd_mcore.train.loop import encode_prompts
 from opkd_mcore.train.metrics import MetricsLogger
 from opkd_mcore.train.samples_log import SampleRecord, SamplesLog
@@ -74,16 +75,16 @@ class RayController:
             if changed:
                 raise ValueError(f"groups: built for another workload (sections {changed} differ)")
         self.groups = groups
+        # the data before any actor or engine: a bad row or an overlong prompt is refused here
+        self.tokenizer, self.train_set, self.skipped = load_train_data(cfg)
 
     # ---- set-up ----------------------------------------------------------------------------
     def _data(self) -> PromptQueue:
-        from transformers import AutoTokenizer
-
-        cfg = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.student)
-        train_set, _ = build_datasets(cfg.data)
+        cfg, train_set = self.cfg, self.train_set
+        record_skipped(cfg, train_set, self.skipped)
         sampler = PromptSampler(len(train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
                                 shuffle=cfg.data.shuffle)
+
         def draw(indices, batch):
             return encode_prompts(cfg, self.tokenizer, train_set, indices, batch)
 
@@ -307,6 +308,8 @@ def train_with_ray(cfg: TrainConfig, *, resume: bool = False, export_only: bool 
     `ray job submit`), else start a local one that declares enough CPUs for every actor."""
     import ray
 
+    # built before the cluster starts: it reads and checks the data files first
+    controller = RayController(cfg, resume=resume, export_only=export_only, overwrite=overwrite)
     started = False
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # attach (ray job submit sets it); the cluster has its resources
@@ -318,7 +321,7 @@ def train_with_ray(cfg: TrainConfig, *, resume: bool = False, export_only: bool 
                      num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed(cfg, launch_world_size(cfg)))))
         started = True
     try:
-        return RayController(cfg, resume=resume, export_only=export_only, overwrite=overwrite).run()
+        return controller.run()
     except TrainerDied as err:
         logger.error("%s", err)
         raise

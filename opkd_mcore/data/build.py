@@ -7,17 +7,22 @@ from opkd_mcore.data.prompts import PromptDataset
 
 
 def build_datasets(cfg: DataSection) -> tuple[PromptDataset, PromptDataset | None]:
-    """(train, held-out or None): from files, or the synthetic task when no train file is set."""
+    """(train, held-out or None): from files, or the synthetic task when no train file is set.
+    Every row of both files is read and checked here; a `DataError` (a `ConfigError`) names each
+    bad one as `data.train_path: <file>:<line>: field "prompt": expected a string, got null`."""
     keys = dict(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                 data_source_key=cfg.data_source_key, messages_key=cfg.messages_key)
     if cfg.train_path is not None:
-        train = PromptDataset.from_file(cfg.train_path, **keys)
-        held_out = PromptDataset.from_file(cfg.eval_path, **keys) if cfg.eval_path else None
-        return train, held_out
+        train = PromptDataset.from_file(cfg.train_path, key="data.train_path", **keys)
+        if cfg.eval_path is None:
+            return train, None
+        return train, PromptDataset.from_file(cfg.eval_path, key="data.eval_path", **keys)
     if cfg.task != "addition":
         raise ValueError(f"data.task: expected 'addition' (or set data.train_path), got {cfg.task!r}")
     train, held_out = AdditionTask(cfg.task_digits).splits(cfg.num_train, cfg.num_eval, cfg.seed)
-    return PromptDataset(train, name="addition/train"), PromptDataset(held_out, name="addition/eval")
+    # num_eval: 0 is allowed: no held-out set rather than an empty one
+    return (PromptDataset(train, name="addition/train", key="data.task"),
+            PromptDataset(held_out, name="addition/eval", key="data.task") if held_out else None)
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -42,7 +47,7 @@ def encode_record(tokenizer, dataset: PromptDataset, index: int, chat_template: 
     """Token ids of record `index`: `messages` through the chat template, a text prompt raw (or as
     one user turn when `chat_template` is "always")."""
     messages = dataset.messages(index)
-    source = f"data record {index}"
+    source = dataset.location(index)
     if messages is not None:
         if chat_template == "none":
             raise ValueError(f"{source}: has chat messages ({dataset.messages_key!r}) but "

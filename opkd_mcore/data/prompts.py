@@ -1,63 +1,74 @@
 """Prompt datasets (jsonl / parquet / in-memory records) and a resumable, seeded sampler."""
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass
 
+from opkd_mcore.data.records import DataError, RowKeys, read_rows, row_problems
+
 
 def read_records(path: str) -> list[dict]:
-    """Rows of a `.jsonl` / `.json` (list) / `.parquet` file as dicts."""
-    if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as err:  # pyarrow ships with vllm/ray; say so when it is missing
-            raise ValueError(f"data path {path!r}: reading parquet needs pyarrow") from err
-        return pq.read_table(path).to_pylist()
-    with open(path) as f:
-        if path.endswith(".json"):
-            rows = json.load(f)
-            if not isinstance(rows, list):
-                raise ValueError(f"data path {path!r}: expected a JSON list of objects")
-            return rows
-        return [json.loads(line) for line in f if line.strip()]
+    """Rows of a `.jsonl` / `.json` (list) / `.parquet` file, unchecked; a file that cannot be read
+    (bad JSON, not UTF-8) is a `DataError` naming every unreadable line."""
+    read = read_rows(path)
+    if read.problems:
+        raise DataError(read.problems)
+    return read.rows
 
 
 class PromptDataset:
-    """Prompt records with a prompt column, and optionally answer and data-source columns."""
+    """Prompt records with a prompt column (or chat messages), and optionally answer and
+    data-source columns. Every record is checked on construction (`records.row_problems`); a
+    `DataError` names each bad one by its `locations` entry (default `"<name>: record <i>"`),
+    prefixed with `key` (the config key the data came from) when given."""
 
     def __init__(self, records: list[dict], *, prompt_key: str = "prompt", answer_key: str = "answer",
                  data_source_key: str = "data_source", messages_key: str = "messages",
-                 name: str = "dataset"):
+                 name: str = "dataset", locations: list[str] | None = None, key: str | None = None):
         if not records:
-            raise ValueError(f"{name}: no records")
-        for i, row in enumerate(records):
-            if prompt_key not in row and messages_key not in row:
-                raise ValueError(f"{name}: record {i} has neither a prompt column {prompt_key!r} nor "
-                                 f"chat messages {messages_key!r} (columns: {sorted(row)})")
-            messages = row.get(messages_key)
-            if messages is not None and not (isinstance(messages, list) and messages and all(
-                    isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
-                raise ValueError(f"{name}: record {i}: {messages_key!r} must be a non-empty list of "
-                                 "{'role', 'content'} objects")
-        self.records = records
+            raise DataError([f"{name}: no records"], key)
+        if locations is not None and len(locations) != len(records):
+            raise ValueError(f"locations: expected one per record ({len(records)}), got {len(locations)}")
+        self.keys = RowKeys(prompt=prompt_key, answer=answer_key, data_source=data_source_key,
+                            messages=messages_key)
+        self.locations = locations or [f"{name}: record {i}" for i in range(len(records))]
+        problems = [f"{where}: {p}" for row, where in zip(records, self.locations)
+                    for p in row_problems(row, self.keys)]
+        if problems:
+            raise DataError(problems, key)
+        self.records, self.name, self.key = records, name, key
         self.prompt_key, self.answer_key, self.data_source_key = prompt_key, answer_key, data_source_key
         self.messages_key = messages_key
 
     @classmethod
-    def from_file(cls, path: str, **keys) -> "PromptDataset":
+    def from_file(cls, path: str, *, key: str | None = None, **keys) -> "PromptDataset":
+        """The records of `path`, read and checked; `key` (e.g. "data.train_path") prefixes errors."""
         if not os.path.isfile(path):
-            raise ValueError(f"data path {path!r}: file does not exist")
-        return cls(read_records(path), name=path, **keys)
+            raise DataError([f"file {path!r} does not exist"], key)
+        read = read_rows(path)
+        if read.problems:  # unreadable lines first: the rows that did parse are checked after a fix
+            raise DataError(read.problems, key)
+        return cls(read.rows, name=path, locations=read.locations, key=key, **keys)
+
+    def subset(self, indices: list[int]) -> "PromptDataset":
+        """The records `indices`, in that order, keeping where each came from."""
+        return PromptDataset([self.records[i] for i in indices], prompt_key=self.prompt_key,
+                             answer_key=self.answer_key, data_source_key=self.data_source_key,
+                             messages_key=self.messages_key, name=self.name,
+                             locations=[self.locations[i] for i in indices], key=self.key)
 
     def __len__(self) -> int:
         return len(self.records)
 
+    def location(self, i: int) -> str:
+        """Where record i came from: `path:LINE`, `path: record I`, `path: row I`."""
+        return self.locations[i]
+
     def prompt(self, i: int) -> str:
         """The text prompt (for a chat record without one: its last user message)."""
         row = self.records[i]
-        if self.prompt_key in row:
+        if row.get(self.prompt_key) is not None:
             return row[self.prompt_key]
         return next(m["content"] for m in reversed(row[self.messages_key]) if m["role"] == "user")
 
@@ -66,7 +77,9 @@ class PromptDataset:
         return self.records[i].get(self.messages_key)
 
     def answer(self, i: int) -> str | None:
-        return self.records[i].get(self.answer_key)
+        """The answer as text (an integer answer stands for its decimal text)."""
+        answer = self.records[i].get(self.answer_key)
+        return str(answer) if isinstance(answer, int) else answer
 
     def data_source(self, i: int) -> str:
         return self.records[i].get(self.data_source_key) or "default"

@@ -1,5 +1,12 @@
 """In-process vLLM teacher: `prompt_logprobs=k` over prompt+response, as `TopKTeacher` rows.
 
+A sequence of L tokens is sent without its last token: the prompt logprobs of those L-1 tokens
+score tokens 1..L-2, and the logprobs of the one token sampled after them (raw, like prompt
+logprobs: vLLM's default `logprobs_mode`) are the row that scores token L-1. The engine then holds
+every sequence of up to its `max_model_len` tokens, a sample that fills the rollout's context
+included: vLLM's generate runner refuses a prompt that leaves no room for one output token, and a
+context one position longer may exceed what the model allows.
+
 vLLM's prompt logprobs come before any sampling processor, i.e. at temperature 1. A teacher
 temperature T != 1 is honoured exactly by asking for the whole vocabulary and re-normalising
 `log_softmax(logprob / T)` in float64 before taking the top-k (costlier: V entries per position).
@@ -34,7 +41,7 @@ class VllmTeacherConfig:
     temperature: float = 1.0  # teacher temperature (exact; != 1 scores the full vocabulary)
     tensor_parallel_size: int = 1  # vLLM TP of the teacher engine
     dtype: str = "auto"  # engine dtype ("auto" = checkpoint's)
-    max_model_len: int | None = None  # longest prompt+response scored; None = checkpoint's
+    max_model_len: int | None = None  # longest sequence scored (prompt+response); None = checkpoint's
     gpu_memory_utilization: float = 0.3  # accelerator share (ignored on CPU)
     seed: int = 0  # engine seed (scoring is deterministic anyway)
     use_tqdm: bool = False  # vLLM's progress bar per score call
@@ -63,7 +70,8 @@ class VllmTeacher(Teacher):
     """Scores sequences with an in-process `vllm.LLM` (built from `model`, or an existing engine).
 
     An engine passed in must have been built with `max_logprobs >= k` (or the vocabulary size
-    when temperature != 1) and without prefix caching, which would skip cached positions.
+    when temperature != 1), without prefix caching, which would skip cached positions, and with
+    raw logprobs (`logprobs_mode="raw_logprobs"`, vLLM's default: the last row is a sampled token's).
     """
 
     def __init__(self, model, cfg: VllmTeacherConfig | None = None):
@@ -78,6 +86,11 @@ class VllmTeacher(Teacher):
             self._address = f"in-process engine of {model.llm_engine.model_config.model}"
             self.llm = model
         self.max_logprobs, self.vocab_size = _engine_limits(self.llm)
+        mode = self.llm.llm_engine.model_config.logprobs_mode
+        if self.cfg.output == "topk" and mode != "raw_logprobs":
+            raise ValueError(f"teacher engine: {self._address} reports {mode!r} logprobs; the last row of "
+                             "each sequence is a sampled token's logprobs, which must be 'raw_logprobs' "
+                             "like the prompt logprobs of the others")
         needed = self.vocab_size if self._full_vocab else self.cfg.k
         if self.cfg.output == "topk" and self.max_logprobs != -1 and self.max_logprobs < needed:
             raise ValueError(
@@ -127,11 +140,12 @@ class VllmTeacher(Teacher):
         # detokenize=False: no decoded string per top-k entry, which dominates the cost at large k;
         # flat_logprobs: a few flat lists per sequence instead of a dict of objects per position
         # (128 x 300 tokens at k=64 on CPU: vLLM's part 3.8-5.9 s -> 0.6 s)
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=request_k,
+        # the last token is not sent: the sampled token's logprobs score it (see the module docstring)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=request_k, logprobs=request_k,
                                 detokenize=False, flat_logprobs=True)
-        outputs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], params,
+        outputs = self.llm.generate([{"prompt_token_ids": s[:-1]} for s in seqs], params,
                                     use_tqdm=self.cfg.use_tqdm)
-        scored = [self._rows(s, out.prompt_logprobs, i) for i, (s, out) in enumerate(zip(seqs, outputs))]
+        scored = [self._rows(s, out, i) for i, (s, out) in enumerate(zip(seqs, outputs))]
         check_outputs(seqs, scored, self._address)
         return scored
 
@@ -143,12 +157,19 @@ class VllmTeacher(Teacher):
         check_outputs(seqs, scored, self._address)
         return scored
 
-    def _rows(self, seq: list[int], prompt_logprobs, index: int) -> TopKTeacher:
+    def _rows(self, seq: list[int], output, index: int) -> TopKTeacher:
         request = f"{self._address}: sequence {index}"
-        if prompt_logprobs is None or len(prompt_logprobs) != len(seq):
+        prompt_logprobs = output.prompt_logprobs
+        if prompt_logprobs is None or len(prompt_logprobs) != len(seq) - 1:
             got = None if prompt_logprobs is None else len(prompt_logprobs)
-            raise TypeError(f"{request}: expected {len(seq)} prompt-logprob positions, got {got}")
-        ids, logprobs, ranks, counts = _flat_entries(prompt_logprobs, request)
+            raise TypeError(f"{request}: expected {len(seq) - 1} prompt-logprob positions, got {got}")
+        sampled = output.outputs[0].logprobs if output.outputs else None
+        if sampled is None or len(sampled) != 1:
+            got = None if sampled is None else len(sampled)
+            raise TypeError(f"{request}: expected the logprobs of 1 sampled token, got {got}")
+        # positions 1.. of the prompt (position 0 has nothing before it), then the sampled token's
+        parts = [_flat_entries(prompt_logprobs, request, first=1), _flat_entries(sampled, request, first=0)]
+        ids, logprobs, ranks, counts = (a + b for a, b in zip(*parts))
         if self._full_vocab:
             return self._tempered_rows(ids, logprobs, counts, request)
         return topk_from_flat(ids, logprobs, ranks, counts, self.cfg.k, request=request,
@@ -166,15 +187,14 @@ class VllmTeacher(Teacher):
                               [width] * len(counts), self.cfg.k, request=request, vocab_size=self.vocab_size)
 
 
-def _flat_entries(prompt_logprobs, request: str) -> tuple[list[int], list[float], list[int], list[int]]:
-    """(ids, logprobs, ranks, entries per position) of positions 1.. of vLLM's flat prompt
-    logprobs (position 0 has nothing before it to score it)."""
-    starts, ends = prompt_logprobs.start_indices[1:], prompt_logprobs.end_indices[1:]
+def _flat_entries(flat, request: str, first: int) -> tuple[list[int], list[float], list[int], list[int]]:
+    """(ids, logprobs, ranks, entries per position) of positions `first`.. of vLLM's flat (prompt
+    or sample) logprobs."""
+    starts, ends = flat.start_indices[first:], flat.end_indices[first:]
     if not starts:
         return [], [], [], []
     lo, hi = starts[0], ends[-1]
     counts = [e - s for s, e in zip(starts, ends)]
     if sum(counts) != hi - lo:
-        raise TypeError(f"{request}: flat prompt logprobs not contiguous ({sum(counts)} entries in {lo}..{hi})")
-    return (prompt_logprobs.token_ids[lo:hi], prompt_logprobs.logprobs[lo:hi], prompt_logprobs.ranks[lo:hi],
-            counts)
+        raise TypeError(f"{request}: flat logprobs not contiguous ({sum(counts)} entries in {lo}..{hi})")
+    return flat.token_ids[lo:hi], flat.logprobs[lo:hi], flat.ranks[lo:hi], counts

@@ -38,7 +38,7 @@ from opkd_mcore.platform import global_rank
 from opkd_mcore.platform.durable import fsync_path, fsync_tree
 from opkd_mcore.platform.rng_state import capture_rng_states, restore_rng_states
 from opkd_mcore.train.metrics import METRICS_FILE, TENSORBOARD_DIR
-from opkd_mcore.train.samples_log import SAMPLES_FILE
+from opkd_mcore.train.samples_log import SAMPLES_FILE, SKIPPED_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ EXPORT_DIR = "student_hf"  # the final student as an HF checkpoint
 # `--overwrite` removes: the export's staging directories and the JSONL files' truncation copies
 # that a killed run leaves behind are its own too. A fresh run refuses a directory holding any.
 RUN_ARTIFACTS = (
-    "checkpoints", METRICS_FILE, f"{METRICS_FILE}.tmp", SAMPLES_FILE, f"{SAMPLES_FILE}.tmp",
+    "checkpoints", METRICS_FILE, f"{METRICS_FILE}.tmp", SAMPLES_FILE, f"{SAMPLES_FILE}.tmp", SKIPPED_FILE,
     EXPORT_DIR, f".{EXPORT_DIR}.tmp-*", f".{EXPORT_DIR}.old-*", "config.yaml", TENSORBOARD_DIR,
 )
 

@@ -13,7 +13,7 @@ import os
 
 from opkd_mcore.config.loss_rules import teacher_kind
 from opkd_mcore.config.schema import OptimSection, TrainConfig
-from opkd_mcore.data import PromptSampler, build_datasets
+from opkd_mcore.data import PromptSampler, build_train_set
 from opkd_mcore.data.rewards import TaskRewards
 from opkd_mcore.engine.megatron_engine import MegatronEngine
 from opkd_mcore.losses.plan import LossPlan, resolve_loss_plan
@@ -24,6 +24,7 @@ from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_
 from opkd_mcore.rollout import RolloutConfig, VllmRollout
 from opkd_mcore.train.checkpoint import load_checkpoint, require_checkpoint, rollout_version_on_resume
 from opkd_mcore.train.loop import DistillationRun
+from opkd_mcore.train.samples_log import write_skipped
 from opkd_mcore.train.stages import ShardLayout
 from opkd_mcore.train.teacher_setup import (
     build_in_step_teacher,
@@ -190,25 +191,50 @@ def build_trainer_rank(cfg: TrainConfig):
     return engine, chunks, shard, ps.get_tensor_model_parallel_group()
 
 
+def load_train_data(cfg: TrainConfig):
+    """(student tokenizer, the prompts to sample from, the skipped ones), before any engine starts:
+    every row of the data files checked and every prompt measured against the rollout's context
+    (`data.build_train_set`; a `DataError` names each bad row). Both launch paths call it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.student)
+    train_set, skipped = build_train_set(cfg, tokenizer)
+    return tokenizer, train_set, skipped
+
+
+def record_skipped(cfg: TrainConfig, train_set, skipped) -> None:
+    """Rank 0, once the output directory is accepted: say how many prompts `data.overlong: skip`
+    left out, and list them in skipped_prompts.jsonl (rewritten, empty when none)."""
+    if not is_rank0():
+        return
+    path = write_skipped(cfg.run.output_dir, [o.to_dict() for o in skipped])
+    if skipped:
+        ro = cfg.rollout
+        logger.warning("data.overlong: skip: %d of %d prompts of %s leave no room for rollout.max_new_tokens "
+                       "= %d in rollout.max_model_len = %d; training on the other %d (the skipped ones are "
+                       "listed in %s)", len(skipped), len(skipped) + len(train_set), train_set.name,
+                       ro.max_new_tokens, ro.max_model_len, len(train_set), path)
+
+
 def build_run(cfg: TrainConfig, *, resume: bool = False):
     """Every part of a run on this rank (`loop.DistillationRun`), restored from the latest
     checkpoint when `resume` (one must exist; the rollout engine then gets the restored weights)."""
-    from transformers import AutoTokenizer
-
-    # vLLM engines first: importing vLLM after the CPU emulation is on trips torch.compile
     plan = loss_plan(cfg)
+    # the data first: a bad row or an overlong prompt is refused before minutes of engine start-up
+    tokenizer, train_set, skipped = load_train_data(cfg)
+    record_skipped(cfg, train_set, skipped)
+    # vLLM engines before `init_distributed`: importing vLLM after the CPU emulation is on trips
+    # torch.compile
     rollout = build_rollout(cfg) if is_rank0() else None
     teacher = build_scoring_teacher(cfg, student_vocab_size(cfg)) if is_rank0() else None
     init_distributed(cfg)
     engine, chunks, shard, tp_group = build_trainer_rank(cfg)
     syncer = WeightSyncer(chunks, rollout, cfg)
-    train_set, _ = build_datasets(cfg.data)
     sampler = PromptSampler(len(train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle)
     run = DistillationRun(cfg=cfg, engine=engine, chunks=chunks, rollout=rollout, teacher=teacher,
-                          syncer=syncer, tokenizer=AutoTokenizer.from_pretrained(cfg.model.student),
-                          dataset=train_set, sampler=sampler, shard=shard, loss_plan=plan, tp_group=tp_group,
-                          rewards=task_rewards(cfg))
+                          syncer=syncer, tokenizer=tokenizer, dataset=train_set, sampler=sampler, shard=shard,
+                          loss_plan=plan, tp_group=tp_group, rewards=task_rewards(cfg))
     if resume:  # `entry.train` has checked the directory already; nothing to resume is an error
         run.state = load_checkpoint(require_checkpoint(cfg.run.output_dir), engine)
         sampler.load_state_dict(run.state.sampler)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 
 from opkd_mcore.config import ConfigError
+from opkd_mcore.config.loss_rules import teacher_output
 from opkd_mcore.config.model_checks import TOKENIZER_FILES, model_shape
 from opkd_mcore.config.schema import ParallelSection, TeacherEndpoint, TrainConfig
-from opkd_mcore.config.validate import teacher_output
-from opkd_mcore.data.build import build_datasets
 from opkd_mcore.models import get_bridge, load_hf_config
 from opkd_mcore.teacher.base import TeacherError
 from opkd_mcore.teacher.remote import MaxLogprobsError, RemoteTeacherConfig, RemoteVllmTeacher
 from opkd_mcore.train.checkpoint import check_run_dir
+from opkd_mcore.train.components import load_train_data
 
 # One probe request: a server that is up answers a listing or a 2-token prompt in well under a
 # second; this bounds the wait for one that accepts the connection and then hangs.
@@ -34,11 +34,14 @@ class PreflightError(ConfigError):
 
 
 def preflight(cfg: TrainConfig, *, resume: bool = False, export_only: bool = False,
-              overwrite: bool = False, probe_servers: bool = True) -> None:
+              overwrite: bool = False, probe_servers: bool = True, check_prompts: bool = True) -> None:
     """Raise `PreflightError` listing every problem of a validated `cfg` that would stop the run after
-    its engines started. `probe_servers`: ask each remote teacher server for its model and limits."""
+    its engines started. `probe_servers`: ask each remote teacher server for its model and limits.
+    `check_prompts`: read, check and tokenize the prompts (`--check`; a run does it first thing when it
+    builds its parts, before any engine, so it is not done twice)."""
     errors = _check_models(cfg)
-    errors += _lines(_check_data, cfg)
+    if check_prompts:
+        errors += _lines(_check_data, cfg)
     errors += _lines(check_run_dir, cfg, resume=resume, export_only=export_only, overwrite=overwrite)
     if probe_servers:
         errors += _check_servers(cfg)
@@ -100,9 +103,10 @@ def _check_student_tokenizer(model: str) -> None:
 
 
 def _check_data(cfg: TrainConfig) -> None:
-    """The prompts as the run reads them: the files (or the synthetic task) loaded and checked."""
+    """The prompts as the run reads them: every row of the files (or the synthetic task) checked, and
+    every prompt tokenized and measured against the rollout's context (`data.overlong`)."""
     try:
-        build_datasets(cfg.data)
+        load_train_data(cfg)
     except ConfigError:
         raise
     except (ValueError, OSError, TypeError, KeyError) as err:

@@ -5,6 +5,11 @@ controller (`controller/driver.py`). Each line is a `SampleRecord`; `audit()` re
 says whether every prompt was trained exactly once per epoch with all of its samples, which is what
 the schedules promise (a peer's one-step-off recipe trained its first batch twice).
 
+Prompts skipped before sampling (`data.overlong: skip`) are not in the dataset the sampler draws
+from: `prompt_index` counts the kept prompts, and `<output_dir>/skipped_prompts.jsonl` lists the
+skipped ones (index as read, file location, length), rewritten at every start of the run; `audit`
+reports their count.
+
 On `--resume` the file is cut back to the lines of steps before the resumed one (a torn last line
 is dropped), exactly like `metrics.jsonl`: the steps after the checkpoint are trained again, and
 prompts that were in flight at the checkpoint are generated again, so their lines appear once.
@@ -22,6 +27,7 @@ from opkd_mcore.train.metrics import read_jsonl, truncate_jsonl
 logger = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
+SKIPPED_FILE = "skipped_prompts.jsonl"
 
 
 @dataclass
@@ -63,6 +69,23 @@ class SamplesLog:
             f.write("".join(r.to_json() + "\n" for r in records))
 
 
+def write_skipped(out_dir: str, skipped: list[dict]) -> str:
+    """`<out_dir>/skipped_prompts.jsonl`: one line per prompt left out of the dataset (empty when
+    none), replaced whole so that it always describes this run's dataset; returns its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, SKIPPED_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(json.dumps(s) + "\n" for s in skipped))
+    os.replace(tmp, path)
+    return path
+
+
+def read_skipped(out_dir: str) -> list[dict]:
+    """The skipped prompts of a run ([] when the run wrote no such file)."""
+    return read_jsonl(os.path.join(out_dir, SKIPPED_FILE))
+
+
 def draw_epochs(sampler_state: dict, dataset_size: int, count: int) -> list[int]:
     """Epoch of each of `count` prompts drawn in order from a `PromptSampler` at `sampler_state`
     (the sampler rolls to the next epoch when its position reaches the end of the dataset)."""
@@ -85,6 +108,7 @@ class Audit:
     partial_groups: list[tuple] = field(default_factory=list)  # (epoch, prompt) missing samples
     missing: dict[int, list[int]] = field(default_factory=dict)  # complete epochs: prompts never trained
     max_staleness: int = 0  # largest version_trained - version_generated among trained samples
+    skipped: int = 0  # prompts left out of the dataset before sampling (skipped_prompts.jsonl)
 
     @property
     def ok(self) -> bool:
@@ -95,13 +119,20 @@ def read_samples(out_dir: str) -> list[dict]:
     return read_jsonl(os.path.join(out_dir, SAMPLES_FILE))
 
 
-def audit(records: list[dict], n: int, dataset_size: int | None = None) -> Audit:
+def audit_run(out_dir: str, n: int, dataset_size: int | None = None) -> Audit:
+    """`audit` of a run directory: its samples.jsonl, with the count of its skipped prompts."""
+    return audit(read_samples(out_dir), n, dataset_size, skipped=read_skipped(out_dir))
+
+
+def audit(records: list[dict], n: int, dataset_size: int | None = None,
+          skipped: list[dict] | None = None) -> Audit:
     """Check the exactly-once promise on the records of one run.
 
     Every trained (epoch, prompt, sample) appears once; every trained prompt has all `n` samples;
-    and, given `dataset_size`, every epoch that training has moved past holds every prompt.
+    and, given `dataset_size` (the kept prompts, after any skipped ones), every epoch that training
+    has moved past holds every prompt. `skipped` (`read_skipped`) is counted, not checked.
     """
-    result = Audit()
+    result = Audit(skipped=len(skipped or []))
     keys: Counter = Counter()
     groups: dict[tuple, set] = defaultdict(set)
     for r in records:

@@ -50,6 +50,8 @@ def with_hidden_teacher_head(cfg: TrainConfig, shard, dtype, device=None):
 
 def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None):
     if t.backend == "vllm":
+        # the rollout's context: the teacher scores a sample that fills it (its last token by the
+        # logprobs of a token sampled after the others, see vllm_teacher)
         return VllmTeacher(t.model, VllmTeacherConfig(
             k=t.top_k, max_model_len=cfg.rollout.max_model_len, seed=cfg.rollout.seed, dtype=t.dtype,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
