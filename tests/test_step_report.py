@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import opkd_mcore.controller.driver as driver
 from opkd_mcore.config import load_config
 from opkd_mcore.config.schema import TeacherEndpoint
 from opkd_mcore.controller.data_plane import GroupResult, PromptJob
@@ -84,7 +85,7 @@ def test_sample_records_of_trained_and_dropped_groups():
     ]
 
 
-def test_both_launchers_write_the_same_samples_lines(tmp_path):
+def test_both_launchers_write_the_same_samples_lines(tmp_path, monkeypatch):
     """One in-order batch, logged by the torchrun loop and by the Ray driver: the same lines."""
     cfg = _cfg("teacher.teachers.0.name=math", "teacher.teachers.0.data_sources=[gsm8k]")
     cfg.teacher.teachers.append(TeacherEndpoint(name="chat", backend="remote", url="http://a:1"))
@@ -101,6 +102,8 @@ def test_both_launchers_write_the_same_samples_lines(tmp_path):
     work = StepWork(groups=[GroupResult(job=j, samples=samples[2 * p:2 * p + 2], token_versions=[None] * 2,
                                         seconds=0.0) for p, j in enumerate(jobs)])
     ray_log = SamplesLog(str(tmp_path / "ray"))
+    # the controller reads the data files when it is built; this config names none it could read
+    monkeypatch.setattr(driver, "load_train_data", lambda cfg: (None, None, []))
     ray_log.write(RayController(cfg)._records(6, work, 2))
     torchrun = read_samples(str(tmp_path / "torchrun"))
     assert [(r["prompt_index"], r["epoch"], r["teacher"]) for r in torchrun] == \

@@ -40,7 +40,9 @@ def preflight(cfg: TrainConfig, *, resume: bool = False, export_only: bool = Fal
     `check_prompts`: read, check and tokenize the prompts (`--check`; a run does it first thing when it
     builds its parts, before any engine, so it is not done twice)."""
     errors = _check_models(cfg)
-    if check_prompts:
+    tokenizer = _lines(_check_student_tokenizer, cfg.model.student)
+    errors += tokenizer
+    if check_prompts and not tokenizer:  # the prompts are measured with the student's tokenizer
         errors += _lines(_check_data, cfg)
     errors += _lines(check_run_dir, cfg, resume=resume, export_only=export_only, overwrite=overwrite)
     if probe_servers:
@@ -65,15 +67,14 @@ def _lines(check, *args, **kwargs) -> list[str]:
 
 def _check_models(cfg: TrainConfig) -> list[str]:
     """Megatron builds the student and a megatron teacher: each needs a bridge for its architecture
-    that takes its config and the parallel layout. The rollout and the prompts use the student's
-    tokenizer."""
+    that takes its config and the parallel layout."""
     megatron = [("model.student", cfg.model.student)]
     megatron += [(f"teacher.teachers.{i}.model", t.model) for i, t in enumerate(cfg.teacher.teachers)
                  if t.backend == "megatron"]
     errors = []
     for key, model in megatron:
         errors += _lines(_check_bridge, key, model, cfg.parallel)
-    return errors + _lines(_check_student_tokenizer, cfg.model.student)
+    return errors
 
 
 def _check_bridge(key: str, model: str, par: ParallelSection) -> None:
