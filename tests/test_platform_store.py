@@ -9,6 +9,7 @@ handed to the store the intruder is refused and the group starts.
 from __future__ import annotations
 
 import errno
+import multiprocessing.context
 import os
 import socket
 import sys
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from opkd_mcore.config import TrainConfig
 from opkd_mcore.controller import groups as controller_groups
 from opkd_mcore.controller.trainer_worker import TrainerWorker
+from opkd_mcore.models.convert import launch
 from opkd_mcore.platform.tcp_store import serve_store
 from tests._dist import run_distributed
 
@@ -105,6 +107,40 @@ def test_one_rank_init_keeps_its_port_from_choice_to_store():
     (result,) = run_distributed(_single_process_init, 1, backend=None)
     assert result["outcomes"] == ["refused"] and result["world"] == 1
     assert result["listening"] == {"127.0.0.1"}
+
+
+# ----------------------------------------------------------------------------- the converter's ranks
+def _sum_ranks(out_dir: str) -> None:
+    import torch
+
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=20))
+    try:
+        value = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(value)
+        with open(os.path.join(out_dir, f"rank_{dist.get_rank()}.txt"), "w") as f:
+            f.write(str(int(value.item())))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_converter_ranks_keep_their_port_from_choice_to_store(tmp_path, monkeypatch):
+    """`opkd convert` spawns its ranks itself; the intruder strikes as the first rank starts."""
+    _clear_launcher_env(monkeypatch)
+    intruder = Intruder()
+    real_start = multiprocessing.context.SpawnProcess.start
+
+    def start(process):
+        if not intruder.outcomes:
+            intruder.take(process._args[2])  # the port `launch` tells its ranks
+        real_start(process)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
+    try:
+        launch(_sum_ranks, 2, str(tmp_path))
+    finally:
+        intruder.close()
+    assert intruder.outcomes == ["refused"]
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["3", "3"]
 
 
 # ----------------------------------------------------------------------------- the Ray trainer group
