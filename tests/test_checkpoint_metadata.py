@@ -183,7 +183,7 @@ def test_convert_refuses_the_payload_before_it_runs(planted, tmp_path, capsys, c
 
 
 def test_metadata_of_a_real_save_uses_only_admitted_globals(planted):
-    """The admitted set covers what the save path writes (listed the way pickletools would)."""
+    """The admitted set covers every global a real save of the training path writes."""
     seen = set()
 
     class Recorder(pickle.Unpickler):

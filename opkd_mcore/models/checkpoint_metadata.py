@@ -12,9 +12,10 @@ Unpickling runs whatever callable the file names, so a crafted checkpoint would 
 `opkd train --resume`, `--export-only` and `opkd convert mcore-to-hf`. `check_dist_checkpoint`
 reads each of them first, the way `torch.load(weights_only=True)` does: `.metadata` through an
 unpickler that admits only the classes torch's checkpoint metadata is made of (`METADATA_GLOBALS`:
-what this project's saves contain, listed with pickletools, plus the sibling classes of the same
-modules), the byte items and `common.pt` through torch's weights-only unpickler. Anything else is
-a `ValueError` naming the file and the refused global, and nothing of the file has run.
+the globals recorded while unpickling real saves of this project, dense and MoE, with and without
+the distributed optimizer, plus the sibling dataclasses and enums of the same torch modules), the
+byte items and `common.pt` through torch's weights-only unpickler. Anything else is a `ValueError`
+naming the file and the refused global, and nothing of the file has run.
 
 Transformer Engine layers unpickle a non-empty `_extra_state` tensor themselves (FP8 scaling state);
 this project writes none, so such a tensor is refused too. `metadata.json` must name the
