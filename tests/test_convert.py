@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from opkd_mcore.models.convert import MARKER_FILE
 from opkd_mcore.models.convert import main as convert_main
 from tests._dist import launcher_free_env
 
@@ -104,6 +105,14 @@ def test_mcore_checkpoint_records_its_origin(round_trip):
     assert meta["saved_with"] == {"tp": 2, "pp": 1, "vpp": None}
     assert os.path.isfile(os.path.join(mcore, "metadata.json"))
     assert os.path.isfile(os.path.join(mcore, "hf", "tokenizer.json"))
+
+
+def test_outputs_carry_the_marker_that_force_looks_for(src_dir, round_trip):
+    for path, command, inputs in zip(round_trip, ("hf-to-mcore", "mcore-to-hf"),
+                                     ({"hf_dir": src_dir}, {"mcore_dir": round_trip[0]})):
+        with open(os.path.join(path, MARKER_FILE)) as f:
+            marker = json.load(f)
+        assert marker["written_by"] == f"opkd convert {command}" and marker["inputs"] == inputs
 
 
 def test_refuses_to_overwrite_without_force(round_trip, capsys):

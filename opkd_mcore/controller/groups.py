@@ -213,7 +213,7 @@ class WorkerGroups:
         import ray
 
         timeout = self.cfg.controller.call_timeout_s
-        host, port = ray.get(self.trainers[0].listen.remote(), timeout=timeout)
+        host, port = ray.get(self.trainers[0].listen.remote(self.rendezvous_host()), timeout=timeout)
         engines, trainers = self._start_calls(host, port)
         waves = start_waves(engines, trainers, self.placement.shared_device)
         for wave in waves:
@@ -249,7 +249,11 @@ class WorkerGroups:
             return name
         return "colocated_ipc" if colocated else "group"
 
-    def _sync_host(self) -> str | None:
+    def rendezvous_host(self) -> str | None:
+        """Where trainer rank 0 serves its stores (the trainer group's and the weight-sync groups'):
+        `weight_sync.host`, or None (the serving rank's node address) for the default loopback when
+        the cluster has several nodes. One key for both: each store must be reachable by its peers
+        and by nothing else, and the run's peers are the same machines."""
         import ray
 
         host = self.cfg.weight_sync.host
@@ -260,9 +264,8 @@ class WorkerGroups:
         """(Re)build the weight-sync groups: bind on the trainer ranks, then every member joins at once."""
         ctl, tp = self.cfg.controller, self.workers_per_engine
         transport = self.transport()
-        receivers = len(self.rollouts) * tp
-        bound = await_named({f"trainer rank {r} bind": t.bind_weight_sync.remote(self._sync_host(), receivers,
-                                                                                   transport)
+        receivers, host = len(self.rollouts) * tp, self.rendezvous_host()
+        bound = await_named({f"trainer rank {r} bind": t.bind_weight_sync.remote(host, receivers, transport)
                              for r, t in enumerate(self.trainers)}, ctl.sync_timeout_s, "weight-sync bind")
         self.sync_groups = bound["trainer rank 0 bind"]
         named = {f"trainer rank {r} joins": t.connect_weight_sync.remote()

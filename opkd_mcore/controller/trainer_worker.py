@@ -2,8 +2,9 @@
 
 It runs the code of the torchrun path: `train.components` builds the student (and an in-step Megatron
 teacher) and `train.stages.train_stage` takes the optimizer step, so both launches train the same way.
-The ranks form their own `torch.distributed` group: rank 0 serves the store on a port the OS gives
-it (`listen`), and every rank then joins in one `setup` call that the driver awaits for all ranks
+The ranks form their own `torch.distributed` group: rank 0 serves the store on the run's rendezvous
+address (`weight_sync.host`, see `WorkerGroups.rendezvous_host`) and a port the OS gives it
+(`listen`), and every rank then joins in one `setup` call that the driver awaits for all ranks
 together. Teacher rows arrive as object references and each rank pulls only the rows it uses.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from opkd_mcore.engine.micro_batches import data_parallel_split
 from opkd_mcore.models import save_hf_checkpoint
 from opkd_mcore.platform import collective_backend
 from opkd_mcore.platform.parallel import destroy_parallel
+from opkd_mcore.platform.tcp_store import serve_store
 from opkd_mcore.rollout import Sample
 from opkd_mcore.train import components as c
 from opkd_mcore.train import stages
@@ -86,14 +88,16 @@ class TrainerWorker:
         self.weight_sync = None
 
     # ---- process group -----------------------------------------------------------------------
-    def listen(self) -> tuple[str, int]:
-        """Rank 0: serve the group's store on a port the OS picks (no pick-then-bind race)."""
-        import ray
-        import torch.distributed as dist
+    def listen(self, host: str | None) -> tuple[str, int]:
+        """Rank 0: serve the group's store on `host` only (None: this node's address), on a port the OS
+        picks for a socket the store takes over (no pick-then-bind race). The store is not
+        authenticated: bound to one address, it is not reachable through the node's other interfaces."""
+        if host is None:
+            import ray
 
-        host = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=self.cfg.controller.call_timeout_s))
+            host = ray.util.get_node_ip_address()
+        timeout = timedelta(seconds=self.cfg.controller.call_timeout_s)
+        self._store = serve_store(host, self.world_size, timeout)
         return host, self._store.port
 
     def setup(self, host: str, port: int) -> dict:

@@ -8,12 +8,19 @@ A Megatron checkpoint written here (or by `MegatronEngine.save_checkpoint`) is a
     OUT/                       megatron.core.dist_checkpointing files (metadata.json, *.distcp, common.pt)
     OUT/hf/                    the HF config, tokenizer and generation config it came from (no weights)
     OUT/opkd_checkpoint.json   what is inside (model / optimizer), dtype, the layout it was saved with
+    OUT/.opkd_convert          (every output of `opkd convert`) which command wrote it, from what
+
+The output directory is never an input, inside one or around one (paths resolved, symlinks
+followed), and `--force` replaces only a directory holding `.opkd_convert`: an HF checkpoint, a
+training run or anything else this tool did not write is never deleted. A Megatron checkpoint's
+pickled files are read as data before Megatron loads them (`models.checkpoint_metadata`).
 
 dist_checkpointing stores global tensors (routed experts under their global index), so a checkpoint
 saved with one TP/PP/VPP/EP layout loads into any other; `mcore-to-hf` therefore defaults to a
-single rank. With `--ep E` every EP rank reads (hf-to-mcore) or writes only its own experts. Without a launcher the command spawns
-the ranks it needs (gloo, CPU by default); under torchrun it uses the ranks it was given (the world
-size must be a multiple of tp*pp; extra ranks are data-parallel replicas).
+single rank. With `--ep E` every EP rank reads (hf-to-mcore) or writes only its own experts.
+Without a launcher the command spawns the ranks it needs (gloo, CPU by default), which join a store
+this process serves on the loopback; under torchrun it uses the ranks it was given (the world size
+must be a multiple of tp*pp; extra ranks are data-parallel replicas).
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import os
 import shutil
 import sys
 import traceback
+from datetime import datetime, timedelta, timezone
 
 import torch
 
@@ -37,14 +45,18 @@ from opkd_mcore.models import (
     save_hf_checkpoint,
 )
 from opkd_mcore.models.builder import layout_of, unwrap
+from opkd_mcore.models.checkpoint_metadata import check_dist_checkpoint
 from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel, is_rank0
+from opkd_mcore.platform.tcp_store import serve_store
 
 logger = logging.getLogger(__name__)
 
 META_FILE = "opkd_checkpoint.json"
+MARKER_FILE = ".opkd_convert"  # in every directory `opkd convert` writes: what --force may replace
 HF_SUBDIR = "hf"
 FORMAT = "opkd-mcore/megatron-dist-v1"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+LOCALHOST = "127.0.0.1"  # spawned ranks of one machine: their store answers on the loopback only
 
 
 # ----------------------------------------------------------------------------- checkpoint format
@@ -120,6 +132,7 @@ def load_mcore_model(model_chunks, ckpt_dir: str, extra_sharded_state: dict | No
     from megatron.core import dist_checkpointing
 
     read_checkpoint_meta(ckpt_dir)
+    check_dist_checkpoint(ckpt_dir)  # before Megatron unpickles anything of it
     request = model_sharded_state_dict(model_chunks)
     request.update(extra_sharded_state or {})
     loaded = dist_checkpointing.load(request, ckpt_dir)
@@ -153,6 +166,7 @@ def hf_to_mcore_worker(hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | N
             bar.update()
             load_hf_weights(chunks, hf_dir)
             bar.update()
+            mark_output_dir(out_dir, "hf-to-mcore", {"hf_dir": hf_dir})
             save_mcore_checkpoint(chunks, out_dir, hf_src_dir=hf_dir)
             bar.update()
     finally:
@@ -168,6 +182,7 @@ def mcore_to_hf_worker(mcore_dir: str, out_dir: str, tp: int, pp: int, vpp: int 
     try:
         chunks = build_model(load_hf_config(hf_src), params_dtype=TORCH_DTYPES[meta["params_dtype"]])
         load_mcore_model(chunks, mcore_dir)
+        mark_output_dir(out_dir, "mcore-to-hf", {"mcore_dir": mcore_dir})
         save_hf_checkpoint(chunks, out_dir, src_hf_dir=hf_src, max_shard_bytes=max_shard_bytes,
                            progress=is_rank0())
     finally:
@@ -175,18 +190,56 @@ def mcore_to_hf_worker(mcore_dir: str, out_dir: str, tp: int, pp: int, vpp: int 
 
 
 # ----------------------------------------------------------------------------- checks + launching
+def mark_output_dir(out_dir: str, command: str, inputs: dict[str, str]) -> None:
+    """Collective: rank 0 creates `out_dir` with this tool's marker before any rank writes data into
+    it, so that `--force` may replace a conversion that died half-way."""
+    import torch.distributed as dist
+
+    if is_rank0():
+        os.makedirs(out_dir, exist_ok=True)
+        marker = {"written_by": f"opkd convert {command}", "inputs": inputs,
+                  "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        with open(os.path.join(out_dir, MARKER_FILE), "w") as f:
+            json.dump(marker, f, indent=2)
+    dist.barrier()
+
+
+def check_disjoint(out_dir: str, inputs: dict[str, str]) -> None:
+    """Refuse an output equal to, inside or around an input (`inputs`: flag -> directory), whatever
+    the spelling: relative paths and symlinks are resolved."""
+    out = os.path.realpath(out_dir)
+    for flag, path in inputs.items():
+        real = os.path.realpath(path)
+        if out == real:
+            relation = "is the same directory as"
+        elif os.path.commonpath([out, real]) == real:
+            relation = "is inside"
+        elif os.path.commonpath([out, real]) == out:
+            relation = "contains"
+        else:
+            continue
+        raise ValueError(f"out: {out_dir!r} ({out}) {relation} the input {flag} {path!r} ({real}); "
+                         f"write the output to a directory of its own, outside every input")
+
+
 def check_output_dir(out_dir: str, force: bool) -> None:
-    """Refuse to overwrite; with `force`, clear only a directory this tool could have written."""
+    """Refuse to overwrite; `force` replaces only a directory this tool wrote (it holds MARKER_FILE)."""
     if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         return
+    if not os.path.isdir(out_dir):
+        raise FileExistsError(f"out: {out_dir!r} exists and is not a directory")
+    ours = os.path.isfile(os.path.join(out_dir, MARKER_FILE))
     if not force:
-        raise FileExistsError(f"out: {out_dir!r} already exists and is not empty; pass --force to "
-                              f"overwrite it")
-    ours = os.path.isfile(os.path.join(out_dir, META_FILE)) or \
-        os.path.isfile(os.path.join(out_dir, "model.safetensors.index.json"))
+        hint = ("pass --force to replace it" if ours else
+                f"it is not a checkpoint written by this tool (no {MARKER_FILE}), choose another --out")
+        raise FileExistsError(f"out: {out_dir!r} already exists and is not empty; {hint}")
     if not ours:
-        raise FileExistsError(f"out: {out_dir!r} is not a checkpoint written by this tool; --force only "
-                              f"replaces those, remove it yourself")
+        raise FileExistsError(f"out: {out_dir!r} is not a checkpoint written by this tool (it has no "
+                              f"{MARKER_FILE} marker); --force replaces only those, and never an HF "
+                              f"checkpoint or a directory it did not write: remove it yourself")
+    if os.path.islink(out_dir):
+        raise FileExistsError(f"out: {out_dir!r} is a symbolic link; --force replaces only a directory "
+                              f"itself, give the path it points to ({os.path.realpath(out_dir)})")
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets here; one deletes
         shutil.rmtree(out_dir)
 
@@ -217,8 +270,11 @@ def _check_layout(tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int | Non
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, fn, args, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    # the parent serves the store: every rank joins it as a client, as torchrun's ranks join the store
+    # of their agent (torch's env:// rendezvous reads TORCHELASTIC_USE_AGENT_STORE)
+    os.environ.update(MASTER_ADDR=LOCALHOST, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     try:
         fn(*args)
     except BaseException:  # hand the traceback to the parent, which reports it once
@@ -234,8 +290,6 @@ def conversion_world_size(tp: int, pp: int, ep: int, etp: int | None) -> int:
 
 def launch(fn, world_size: int, *args) -> None:
     """Run `fn(*args)` on `world_size` ranks: in place under a launcher, else spawned locally."""
-    import socket
-
     import torch.multiprocessing as mp
 
     if "WORLD_SIZE" in os.environ:
@@ -245,9 +299,9 @@ def launch(fn, world_size: int, *args) -> None:
                              f"multiple of {world_size} (lcm of tp*pp and etp*ep*pp)")
         fn(*args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # served here, on a socket bound before any rank is told the port: nothing can take it in between
+    store = serve_store(LOCALHOST, world_size, timedelta(minutes=ParallelConfig().timeout_minutes))
+    port = store.port
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     procs = [ctx.Process(target=_spawned_rank, args=(r, world_size, port, fn, args, errors))
@@ -267,6 +321,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
                         etp: int | None = None) -> None:
     """HF safetensors checkpoint -> Megatron dist checkpoint (+ HF config/tokenizer in OUT/hf)."""
     _check_layout(tp, pp, vpp, ep, etp)
+    check_disjoint(out_dir, {"--hf-dir": hf_dir})
     check_hf_input(hf_dir, tp, pp, vpp, ep, etp)
     check_output_dir(out_dir, force)
     launch(hf_to_mcore_worker, conversion_world_size(tp, pp, ep, etp), os.path.abspath(hf_dir),
@@ -278,9 +333,9 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, tp: int = 1, pp: int = 
                         ep: int = 1, etp: int | None = None) -> None:
     """Megatron dist checkpoint -> HF sharded safetensors + index + config + tokenizer."""
     _check_layout(tp, pp, vpp, ep, etp)
+    check_disjoint(out_dir, {"--mcore-dir": mcore_dir})
     read_checkpoint_meta(mcore_dir)
-    if os.path.abspath(mcore_dir) == os.path.abspath(out_dir):
-        raise ValueError("out: must differ from --mcore-dir")
+    check_dist_checkpoint(mcore_dir)  # here too: a refused file is a one-line error before ranks start
     check_output_dir(out_dir, force)
     launch(mcore_to_hf_worker, conversion_world_size(tp, pp, ep, etp), os.path.abspath(mcore_dir),
            os.path.abspath(out_dir), tp, pp, vpp, device, max_shard_bytes, ep, etp)
@@ -304,14 +359,17 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--mcore-dir", required=True, help="checkpoint written by hf-to-mcore or training")
     to_hf.add_argument("--max-shard-size", default="4GB", help="largest safetensors file (e.g. 4GB, 500MB)")
     for p in (to_mcore, to_hf):
-        p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+        p.add_argument("--out", required=True, help="output directory: new or empty (or see --force); never "
+                       "an input, inside one or around one")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used for the conversion")
         p.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
         p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models)")
         p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
         p.add_argument("--device", default="cpu", help="cpu (gloo) or an accelerator type")
-        p.add_argument("--force", action="store_true", help="replace an existing output checkpoint")
+        p.add_argument("--force", action="store_true",
+                       help=f"replace an output an earlier opkd convert wrote (it holds {MARKER_FILE}); any "
+                       "other directory is refused, never deleted")
     return parser
 
 

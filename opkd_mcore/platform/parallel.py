@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from opkd_mcore.platform import device as platform_device
 from opkd_mcore.platform import megatron_cpu
 from opkd_mcore.platform.cpu_rng import seed_cpu_model_parallel
+from opkd_mcore.platform.tcp_store import serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,6 @@ class ParallelConfig:
                              f"etp*ep*pp = {self.etp or self.tp}*{self.ep}*{self.pp} = {expert_parallel}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def global_rank() -> int:
     """This process's rank: torch.distributed's once it runs, before that the launcher's RANK."""
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -94,13 +88,17 @@ def bind_local_device(kind: str) -> torch.device:
 def _init_process_group(backend: str, timeout_minutes: int) -> None:
     if dist.is_initialized():
         return
-    if "WORLD_SIZE" not in os.environ:
-        # A plain `python script.py`: a one-rank group so the same code path runs unchanged.
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-    dist.init_process_group(backend=backend, init_method="env://",
-                            timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        return
+    # A plain `python script.py`: a one-rank group so the same code path runs unchanged. Nobody joins
+    # it, so any port does: the OS picks one for a socket the store takes over (no pick-then-bind
+    # race with another process), and the store answers on MASTER_ADDR only
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    store = serve_store(host, 1, timeout)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=str(store.port))
+    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
 def _seed_everything(cfg: ParallelConfig, on_cpu: bool) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from opkd_mcore.platform.device import collective_backend
+from opkd_mcore.platform.tcp_store import bind_listener, store_on_socket
 
 logger = logging.getLogger(__name__)
 
@@ -63,26 +64,12 @@ class GroupListener:
             self.sock = None
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        # a port left in TIME_WAIT by an earlier run is free to reuse; a listening one is still refused
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def listen_for_group(host: str, port: int, *, move_if_taken: bool = True) -> GroupListener:
     """Bind and listen on `host:port` for a group's store (rank 0). Port 0, or a taken port when
     `move_if_taken`, gets a free port from the OS; the returned listener holds the port actually bound,
     which is what the peers must be told."""
     try:
-        sock = _bind(host, port)
+        sock = bind_listener(host, port)
     except OSError as err:
         if err.errno != errno.EADDRINUSE:
             raise OSError(err.errno,
@@ -91,7 +78,7 @@ def listen_for_group(host: str, port: int, *, move_if_taken: bool = True) -> Gro
             raise PortInUseError(errno.EADDRINUSE, f"weight-sync group {host}:{port}: the port is taken by "
                                  "another process, and the peers were told this port; bind the group "
                                  "first (it then moves to a free port and tells the peers)") from err
-        sock = _bind(host, 0)
+        sock = bind_listener(host, 0)
         logger.warning("weight-sync group: port %d on %s is taken by another process; using %d instead",
                        port, host, sock.getsockname()[1])
     return GroupListener(host, sock.getsockname()[1], sock)
@@ -144,13 +131,7 @@ def _torch_store(host: str, port: int, rank: int, world_size: int, join_timeout:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=join_timeout,
                              wait_for_workers=True)
     listener = listener or listen_for_group(host, port, move_if_taken=False)
-    fd = listener.take().detach()
-    try:
-        return dist.TCPStore(host, listener.port, world_size, is_master=True, timeout=join_timeout,
-                             wait_for_workers=True, master_listen_fd=fd)
-    except BaseException:
-        socket.close(fd)
-        raise
+    return store_on_socket(listener.take(), host, world_size, join_timeout, wait_for_workers=True)
 
 
 def _torch_stateless_group(host: str, port: int, rank: int, world_size: int, backend: str,
