@@ -220,7 +220,7 @@ def test_forward_only_logits_match_hf(trained, qwen3_dir, name):
     """Packed forward of a teacher engine == separate HF forwards; padded vocab column masked."""
     from transformers import AutoModelForCausalLM
 
-    from opkd_mcore.engine.megatron_engine import PADDED_VOCAB_LOGIT
+    from opkd_kernels.linear_kd_common import PAD_LOGIT
 
     logits = [per_rank[name]["teacher_logits"] for per_rank in trained]
     logits = [x for x in logits if x is not None]
@@ -233,7 +233,7 @@ def test_forward_only_logits_match_hf(trained, qwen3_dir, name):
         width = 256 if CASES[name][0] == 2 else vocab  # TP=2 pads 255 up to 256
         assert got.shape == (expected.shape[0], width)
         torch.testing.assert_close(got[:, :vocab], expected, rtol=1e-4, atol=1e-4)
-        assert bool((got[:, vocab:] == PADDED_VOCAB_LOGIT).all())
+        assert bool((got[:, vocab:] == PAD_LOGIT).all())
 
 
 def test_engine_rejects_bad_calls(trained):

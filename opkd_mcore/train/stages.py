@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from opkd_kernels.linear_kd_common import PAD_LOGIT
 from opkd_mcore.config.schema import LossSection, ParallelSection
 from opkd_mcore.data.rewards import group_advantages
 from opkd_mcore.engine.packing import PackedBatch, pack_sequences
@@ -119,7 +120,7 @@ def _pad_teacher_rows(out, shard: "ShardLayout"):
     logits = out.logits.float()
     if logits.shape[1] != shard.vocab_local:  # a full-vocabulary teacher: pad the vocabulary, take our shard
         keep = min(logits.shape[1], shard.vocab_size or shard.padded_vocab)
-        full = torch.full((logits.shape[0], shard.padded_vocab), -1.0e4, dtype=logits.dtype)
+        full = torch.full((logits.shape[0], shard.padded_vocab), PAD_LOGIT, dtype=logits.dtype)
         full[:, :keep] = logits[:, :keep]
         logits = full[:, shard.tp_rank * shard.vocab_local:(shard.tp_rank + 1) * shard.vocab_local]
     return DenseTeacher(logits=torch.cat([logits, torch.zeros(1, logits.shape[1])]))
