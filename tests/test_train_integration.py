@@ -299,7 +299,7 @@ DEFAULT_FUSED = "triton" if torch.cuda.is_available() else "cpp"
     ("tp1", 1, ()),
     ("tp2", 2, ("parallel.tp=2",)),
     ("pp2", 2, ("parallel.pp=2",)),
-    # the scale run's layout (issue 15) with 4 CPU processes standing in for 4 GPUs
+    # TP and PP together (a large model's layout) with 4 CPU processes standing in for 4 GPUs
     ("tp2pp2", 4, ("parallel.tp=2", "parallel.pp=2")),
     # the fused LM head's rows engine (gradients in the forward) through the entry point, on the
     # student and the in-step teacher's hidden states: the same losses as materialised logits

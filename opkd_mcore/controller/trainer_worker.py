@@ -23,7 +23,7 @@ from opkd_mcore.train import components as c
 from opkd_mcore.train import stages
 from opkd_mcore.train.checkpoint import TrainerState, load_checkpoint, require_checkpoint, save_checkpoint
 from opkd_mcore.train.loop import rollout_metrics
-from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
+from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport, SyncGroupsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class TrainerWorker:
                                   num_receivers=num_receivers, timeout_s=ctl.sync_timeout_s,
                                   bucket_bytes=ws.bucket_mb << 20, transport=transport,
                                   tp_export=ws.tp_export, high_priority=ws.high_priority_stream)
-        self.weight_sync = MegatronWeightSync(self.chunks, groups)
+        self.weight_sync = MegatronWeightExport(self.chunks, groups)
         return [dataclasses.asdict(g) for g in self.weight_sync.bind()]
 
     def connect_weight_sync(self) -> None:
@@ -150,7 +150,8 @@ class TrainerWorker:
         return time.perf_counter() - start
 
     def close_weight_sync(self, abort: bool = False) -> None:
-        """Leave the weight-sync group; `abort` when an engine of it is gone (see `MegatronWeightSync.close`).
+        """Leave the weight-sync group; `abort` when an engine of it is gone (see
+        `MegatronWeightExport.close`).
         The driver aborts from the actor's control thread while `sync_weights` may still run here."""
         weight_sync, self.weight_sync = self.weight_sync, None
         if weight_sync is not None:

@@ -33,7 +33,7 @@ class DistillationRun:
     chunks: list  # the student's Megatron chunks on this rank
     rollout: object | None  # VllmRollout
     teacher: object | None  # Teacher or TeacherRouter
-    syncer: object  # components.WeightSyncer
+    syncer: object  # weight_sync.engine_link.SpmdWeightSync
     tokenizer: object
     dataset: PromptDataset
     sampler: PromptSampler
