@@ -34,8 +34,8 @@ class TrainBatch:
 
     step: int
     samples: list  # list[Sample], prompt-major; group_id = the prompt's place in this batch
-    rows: list  # per sample: (chunk id, row in chunk), or None when the teacher scores in the step
-    chunks: dict = field(default_factory=dict)  # chunk id -> ObjectRef of list[TeacherOutput]
+    rows: list  # per sample: (teacher call id, row in its rows), or None when the teacher scores in the step
+    teacher_calls: dict = field(default_factory=dict)  # teacher call id -> ObjectRef of list[TeacherOutput]
     stale: list = field(default_factory=list)  # per sample: past run.max_staleness (truncated_is)
     task_advantages: list | None = None  # per sample (GRPO), computed by the driver
     is_truncation: float = 2.0  # cap of the importance weights of stale samples (run.is_truncation)
@@ -174,11 +174,11 @@ class TrainerWorker:
         start = time.perf_counter()
         rows = [None] * len(batch.samples)
         needed = [i for i in self._rows_needed(len(batch.samples)) if batch.rows[i] is not None]
-        chunk_ids = sorted({batch.rows[i][0] for i in needed})
-        fetched = dict(zip(chunk_ids, ray.get([batch.chunks[c] for c in chunk_ids])))
+        call_ids = sorted({batch.rows[i][0] for i in needed})
+        fetched = dict(zip(call_ids, ray.get([batch.teacher_calls[c] for c in call_ids])))
         for i in needed:
-            chunk, row = batch.rows[i]
-            rows[i] = fetched[chunk][row]
+            call, row = batch.rows[i]
+            rows[i] = fetched[call][row]
         fetch_s = time.perf_counter() - start
         scored = stages.ScoredBatch(samples=batch.samples, teacher=rows,
                                     task_advantages=batch.task_advantages)
