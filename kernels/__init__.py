@@ -11,8 +11,9 @@ optional C++ twin `opkd_kernels._cpu`, built from csrc/) / `torch_backend.py` ex
 primitives; `fused_kd.py` holds the autograd Function and the TP collectives; `sparse_objective.py`
 the objective on a sparse support. The fused LM head (output layer + loss, no logits):
 `fused_linear_kd.py` (autograd Function, reusing fused_kd's math and collectives), its Triton tile
-kernels `linear_kd_*.py` (engine: `linear_kd_triton.py`) and the chunked torch twin
-`linear_kd_chunked.py`. Triton is imported only when a Triton kernel runs.
+kernels `linear_kd_*.py` (engine: `linear_kd_triton.py`; their shared logit tile: `_logit_tile.py`)
+and the chunked torch twin `linear_kd_chunked.py`. Triton is imported only when a Triton kernel
+runs.
 """
 from .fused_kd import KdSpec, fused_kd_loss, select_backend
 from .fused_linear_kd import fused_linear_kd_loss

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Logit of a vocabulary-padding column (ids past the real vocabulary on the last TP shard). The same
-# value the trainer writes into materialised logits (engine.PADDED_VOCAB_LOGIT): exp() of it
-# underflows to 0 in every float dtype, yet it stays finite after division by any sane temperature.
+# Logit of a vocabulary-padding column (ids past the real vocabulary on the last TP shard), in the
+# fused kernels and in the logits the trainer materialises alike (the trainer imports it from here:
+# kernels import nothing of the trainer). exp() of it underflows to exactly 0 in every float dtype,
+# yet it stays finite after division by any sane temperature, so 0 * log-terms never become NaN.
 PAD_LOGIT = -1.0e4
 
 

@@ -21,10 +21,7 @@ import triton
 import triton.language as tl
 
 from ._jit import lazy_jit
-from .linear_kd_common import PAD_LOGIT
-from .linear_kd_row_stats import dot_operands
-
-_PAD = tl.constexpr(PAD_LOGIT)
+from ._logit_tile import dot_operands, logit_tile
 
 
 def _linear_kd_grad_kernel(
@@ -44,17 +41,8 @@ def _linear_kd_grad_kernel(
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < R
     col_ok = cols < C
-    cols64 = cols.to(tl.int64)
-    ks = tl.arange(0, BLOCK_K)
-    s = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + ks
-        a_t = tl.load(x_ptr + rows[:, None] * x_rs + k[None, :],
-                      mask=row_ok[:, None] & (k[None, :] < H), other=0.0).to(DOT_DTYPE)
-        b_t = tl.load(w_ptr + cols64[None, :] * w_rs + k[:, None],
-                      mask=col_ok[None, :] & (k[:, None] < H), other=0.0).to(DOT_DTYPE)
-        s = tl.dot(a_t, b_t, s, input_precision=DOT_PRECISION)
-    s = tl.where(cols[None, :] < s_end, s * inv_T, _PAD * inv_T)
+    s = logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, x_rs, w_rs, s_end, inv_T,
+                   DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
     lse_s = tl.load(lse_ptr + rows * 2, mask=row_ok, other=0.0)
     c0 = tl.load(coef_ptr + rows * 2, mask=row_ok, other=0.0)
     c1 = tl.load(coef_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
@@ -63,15 +51,8 @@ def _linear_kd_grad_kernel(
     if DIVERGENCE == 0:
         g = c0[:, None] * q
     else:
-        u = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for k0 in range(0, HT, BLOCK_K):
-            k = k0 + ks
-            a_t = tl.load(xt_ptr + rows[:, None] * xt_rs + k[None, :],
-                          mask=row_ok[:, None] & (k[None, :] < HT), other=0.0).to(DOT_DTYPE)
-            b_t = tl.load(wt_ptr + cols64[None, :] * wt_rs + k[:, None],
-                          mask=col_ok[None, :] & (k[:, None] < HT), other=0.0).to(DOT_DTYPE)
-            u = tl.dot(a_t, b_t, u, input_precision=DOT_PRECISION)
-        u = tl.where(cols[None, :] < t_end, u * inv_T, _PAD * inv_T)
+        u = logit_tile(xt_ptr, wt_ptr, rows, cols, row_ok, col_ok, HT, xt_rs, wt_rs, t_end, inv_T,
+                       DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
         lse_u = tl.load(lse_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
         log_p = u - lse_u[:, None]
         if DIVERGENCE == 1:
@@ -84,7 +65,7 @@ def _linear_kd_grad_kernel(
             mx = tl.maximum(la, lb)
             log_m = mx + tl.log(tl.exp(la - mx) + tl.exp(lb - mx))
             g = tl.where(q > 0, c0[:, None] * q * (log_q - log_m - c1[:, None]), 0.0)
-    tl.store(dz_ptr + rows[:, None] * dz_rs + cols64[None, :], g.to(dz_ptr.dtype.element_ty),
+    tl.store(dz_ptr + rows[:, None] * dz_rs + cols.to(tl.int64)[None, :], g.to(dz_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -109,7 +90,7 @@ def linear_grad_block(x, w, xt, wt, lse, coef, s_end: int, t_end: int, inv_tempe
     _KERNEL.get()[grid](
         x, w, xt_, wt_, lse, coef, dz, r, c, h, xt_.shape[1], x.stride(0), w.stride(0), xt_.stride(0),
         wt_.stride(0), dz.stride(0), s_end, t_end, float(inv_temperature), math.log(b), math.log1p(-b),
-        DIVERGENCE=code, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, GROUP_M=group_m, BLOCK_N=block_n, BLOCK_V=block_v,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        DIVERGENCE=code, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, GROUP_M=group_m, BLOCK_N=block_n,
+        BLOCK_V=block_v, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
     return dz

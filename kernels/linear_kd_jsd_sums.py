@@ -18,10 +18,7 @@ import triton
 import triton.language as tl
 
 from ._jit import lazy_jit
-from .linear_kd_common import PAD_LOGIT
-from .linear_kd_row_stats import dot_operands
-
-_PAD = tl.constexpr(PAD_LOGIT)
+from ._logit_tile import dot_operands, logit_tile
 
 
 def _linear_kd_jsd_sums_kernel(
@@ -35,7 +32,6 @@ def _linear_kd_jsd_sums_kernel(
     pid_s = pid % NUM_SPLITS
     rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = rows < N
-    ks = tl.arange(0, BLOCK_K)
     lse_s = tl.load(lse_ptr + rows * 2, mask=row_ok, other=0.0)
     lse_u = tl.load(lse_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
     v_lo = pid_s * cols_per_split
@@ -45,25 +41,10 @@ def _linear_kd_jsd_sums_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_hi
-        cols64 = cols.to(tl.int64)
-        s = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + ks
-            a_t = tl.load(x_ptr + rows[:, None] * x_rs + k[None, :],
-                          mask=row_ok[:, None] & (k[None, :] < H), other=0.0).to(DOT_DTYPE)
-            b_t = tl.load(w_ptr + cols64[None, :] * w_rs + k[:, None],
-                          mask=col_ok[None, :] & (k[:, None] < H), other=0.0).to(DOT_DTYPE)
-            s = tl.dot(a_t, b_t, s, input_precision=DOT_PRECISION)
-        u = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for k0 in range(0, HT, BLOCK_K):
-            k = k0 + ks
-            a_t = tl.load(xt_ptr + rows[:, None] * xt_rs + k[None, :],
-                          mask=row_ok[:, None] & (k[None, :] < HT), other=0.0).to(DOT_DTYPE)
-            b_t = tl.load(wt_ptr + cols64[None, :] * wt_rs + k[:, None],
-                          mask=col_ok[None, :] & (k[:, None] < HT), other=0.0).to(DOT_DTYPE)
-            u = tl.dot(a_t, b_t, u, input_precision=DOT_PRECISION)
-        s = tl.where(cols[None, :] < s_end, s * inv_T, _PAD * inv_T)
-        u = tl.where(cols[None, :] < t_end, u * inv_T, _PAD * inv_T)
+        s = logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, x_rs, w_rs, s_end, inv_T,
+                       DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
+        u = logit_tile(xt_ptr, wt_ptr, rows, cols, row_ok, col_ok, HT, xt_rs, wt_rs, t_end, inv_T,
+                       DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
         log_q = s - lse_s[:, None]
         log_p = u - lse_u[:, None]
         q = tl.exp(log_q)

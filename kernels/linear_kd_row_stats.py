@@ -1,10 +1,11 @@
 """Triton kernel: pass 1 of the fused LM-head loss, row statistics from logit tiles on chip.
 
 A program owns BLOCK_N rows and one split of this shard's vocabulary; for each BLOCK_V columns it
-forms the logit tiles with tl.dot (operands in their dtype, float32 accumulation)
+forms the logit tiles (`_logit_tile.py`: tl.dot, operands in their dtype, float32 accumulation)
     s = h[rows] @ W[cols]^T / T            u = h_t[rows] @ W_t[cols]^T / T   (dense teacher)
-(float32 operands: exact IEEE products, not TF32; padding columns, at or past `s_end` / `t_end`, get PAD_LOGIT / T) and folds them into running
-per-row statistics, the 2-D version of kd_row_stats.py (online softmax, one max per row and tile):
+(float32 operands: exact IEEE products, not TF32; padding columns, at or past `s_end` / `t_end`,
+get PAD_LOGIT / T) and folds them into running per-row statistics, the 2-D version of
+kd_row_stats.py (online softmax, one max per row and tile):
     m' = max(m, max_j s_j)     l = l e^(m - m') + sum_j e^(s_j - m')
     a  = a e^(m_u - m_u') + sum_j e^(u_j - m_u') (u_j - s_j)          # -> sum p (u - s) = a / l_u
     b  = b e^(m_s - m_s') + sum_j e^(s_j - m_s') (s_j - u_j)          # -> sum q (s - u) = b / l_s
@@ -19,23 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._jit import interpreting, lazy_jit
-from .linear_kd_common import PAD_LOGIT
+from ._jit import lazy_jit
+from ._logit_tile import dot_operands, logit_tile
 
-_PAD = tl.constexpr(PAD_LOGIT)
 _NEG = tl.constexpr(-1e30)   # not -inf: e^(m - m') stays finite while a row has seen nothing
-
-
-def dot_operands(x: torch.Tensor):
-    """(operand dtype, input precision) of the tile kernels' tl.dot for operands like `x`.
-
-    float32 operands get IEEE products (TF32 would cost ~1e-3 relative in every logit); half
-    precision operands are exact products either way. The interpreter's tl.dot mishandles bf16
-    (raw bits as integers, Triton 3.6), so there the tiles are upcast: the same exact products."""
-    dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype]
-    if interpreting():
-        dtype = tl.float32
-    return dtype, "ieee" if x.dtype == torch.float32 else "tf32"   # tf32: the default, moot for halves
 
 
 def _linear_kd_row_stats_kernel(
@@ -49,7 +37,6 @@ def _linear_kd_row_stats_kernel(
     pid_s = pid % NUM_SPLITS
     rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = rows < N
-    ks = tl.arange(0, BLOCK_K)
     v_lo = pid_s * cols_per_split
     v_hi = tl.minimum(V, v_lo + cols_per_split)
     m_s = tl.full([BLOCK_N], _NEG, tl.float32)
@@ -62,31 +49,16 @@ def _linear_kd_row_stats_kernel(
     for v0 in range(v_lo, v_hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_hi
-        cols64 = cols.to(tl.int64)
-        s = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + ks
-            a_t = tl.load(x_ptr + rows[:, None] * x_rs + k[None, :],
-                          mask=row_ok[:, None] & (k[None, :] < H), other=0.0).to(DOT_DTYPE)
-            b_t = tl.load(w_ptr + cols64[None, :] * w_rs + k[:, None],
-                          mask=col_ok[None, :] & (k[:, None] < H), other=0.0).to(DOT_DTYPE)
-            s = tl.dot(a_t, b_t, s, input_precision=DOT_PRECISION)
-        s = tl.where(cols[None, :] < s_end, s * inv_T, _PAD * inv_T)
+        s = logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, x_rs, w_rs, s_end, inv_T,
+                       DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
         s = tl.where(col_ok[None, :], s, _NEG)
         m_s_new = tl.maximum(m_s, tl.max(s, 1))
         alpha_s = tl.exp(m_s - m_s_new)
         e_s = tl.where(col_ok[None, :], tl.exp(s - m_s_new[:, None]), 0.0)
         l_s = l_s * alpha_s + tl.sum(e_s, 1)
         if HAS_TEACHER:
-            u = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-            for k0 in range(0, HT, BLOCK_K):
-                k = k0 + ks
-                a_t = tl.load(xt_ptr + rows[:, None] * xt_rs + k[None, :],
-                              mask=row_ok[:, None] & (k[None, :] < HT), other=0.0).to(DOT_DTYPE)
-                b_t = tl.load(wt_ptr + cols64[None, :] * wt_rs + k[:, None],
-                              mask=col_ok[None, :] & (k[:, None] < HT), other=0.0).to(DOT_DTYPE)
-                u = tl.dot(a_t, b_t, u, input_precision=DOT_PRECISION)
-            u = tl.where(cols[None, :] < t_end, u * inv_T, _PAD * inv_T)
+            u = logit_tile(xt_ptr, wt_ptr, rows, cols, row_ok, col_ok, HT, xt_rs, wt_rs, t_end, inv_T,
+                           DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
             u = tl.where(col_ok[None, :], u, _NEG)
             tile_max_u = tl.max(u, 1)
             tile_arg = tl.argmax(u, 1).to(tl.int32) + v0

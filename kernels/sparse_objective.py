@@ -8,7 +8,16 @@ So the full-vocabulary gradient is  dL/dz_j = dL/dlse * q_j + dL/ds_S[k] * [j = 
 fused kernels write in one pass. This file computes L and (dL/ds_S, dL/dlse) with torch autograd
 on the small `[N, K]` tensors, identically on every TP rank (they are replicated after the
 gather). Padding entries (`valid == False`) are outside S; a row without any valid entry has
-loss 0 and gradient 0.
+loss 0 and gradient 0. `kd_sparse_objective.py` is the one-launch Triton form of this function,
+tested against it.
+
+Why the trainer's reference path (`opkd_mcore/losses/support_kd.py`: `impl="reference"`, float64
+logits, whatever no fused kernel covers) computes the same objective its own way: it holds the
+shard's logits, so it takes the log-partition off S exactly (the tail masses without cancellation)
+and writes analytic gradient coefficients in the logits' compute dtype. The fused kernels never
+hold the logits; from s_S and lse alone the tail is 1 - exp(lse_S - lse), which needs float64 to
+resolve the tail of a peaked distribution, and autograd on the small `[N, K]` problem gives the
+K + 1 partials. Both are tested against `tests/losses_reference.py`.
 """
 from __future__ import annotations
 
@@ -17,7 +26,8 @@ import math
 import torch
 
 # Teacher tail floor: reverse KL / JSD with a tail bucket stay finite when the teacher put
-# (numerically) all its mass on S. Same floor as the torch reference path.
+# (numerically) all its mass on S; 1e-12 is far below any mass that matters. The trainer's
+# reference path (losses/support_kd.py) imports it from here.
 TEACHER_TAIL_FLOOR = 1e-12
 # Student tail floor: only hit when the student's mass on S rounds to 1 in float32.
 STUDENT_TAIL_FLOOR = 1e-30

@@ -18,7 +18,7 @@ class TritonLaunch:
     1024 x 4 was the best of a sweep on H200 (bf16, V = 151936, with the per-row-max stats pass),
     2% ahead of 2048 x 8 and 5-10% ahead of 512 x 2-4, 2048 x 4 and 1024 x 2 / 8. Three stages:
     dense forward KL 9.35 -> 8.66 ms on an H100 at 16384 x 151936 (52.9 -> 57.1% of copy), JSD and
-    top-k 256 1%; 4 stages the same, 2 half of it (docs/benchmarks.md, fourteenth session)."""
+    top-k 256 1%; 4 stages the same, 2 half of it."""
 
     block_v: int = 1024
     num_warps: int = 4

@@ -28,7 +28,7 @@ import torch
 
 from opkd_mcore.train.samples_log import audit, read_samples
 from tests.conftest import VLLM_FP32_LOGPROB_ATOL
-from tests.test_controller_schedules import DATASET, N, PROMPTS, STEPS, _greedy, write_run_config
+from tests.test_controller_schedules import DATASET, PROMPTS, STEPS, N, _greedy, write_run_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow]
 

@@ -144,19 +144,19 @@ def _group(queue, version):
 
 @pytest.mark.parametrize("policy", ["drop", "truncated_is"])
 def test_async_batch_drops_or_flags_groups_past_the_bound(policy):
-    from opkd_mcore.controller.schedules import Pipeline
+    from opkd_mcore.controller.schedules import RolloutFeed
 
     cfg = _cfg("controller.kind=ray", "run.schedule=async", "run.max_staleness=1",
                f"run.stale_policy={policy}", "rollout.prompts_per_step=2", "parallel.global_batch_size=4")
     queue = _queue(size=10, batch=2)
     groups = SimpleNamespace(rollouts=[object()], teachers={})
-    pipe = Pipeline(cfg, groups, queue, version=3, step=3, sampling=None)
-    pipe.policy.admit = lambda p: None  # nothing new starts: the groups below are all there is
+    feed = RolloutFeed(cfg, groups, queue, version=3, step=3, sampling=None)
+    feed.policy.admit = lambda p: None  # nothing new starts: the groups below are all there is
     made = [_group(queue, v) for v in (1, 3, 2)]
     for g in made:
-        pipe.done[g.job.key] = g
-    pipe.in_flight = len(made)
-    work = pipe.take_batch(3)
+        feed.generated[g.job.key] = g
+    feed.in_flight = len(made)
+    work = feed.take_batch(3)
     if policy == "drop":
         assert work.groups == made[1:] and work.stale == [False, False]
         (group, reason), = work.dropped
@@ -244,8 +244,8 @@ def test_actors_sharing_a_device_start_one_at_a_time():
 def _is_weights(rank, world, model_dir):
     from opkd_mcore.config import ParallelSection
     from opkd_mcore.controller.importance import truncated_is_weights
-    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.engine.packing import pack_sequences
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.train.components import build_student, shard_layout
     from opkd_mcore.train.objective import _token_logprobs
 
@@ -298,7 +298,7 @@ class _FakeTeacher:
 
 
 def test_samples_go_to_their_teacher_in_micro_batch_chunks_on_the_least_loaded_replica():
-    from opkd_mcore.controller.schedules import Pipeline
+    from opkd_mcore.controller.schedules import RolloutFeed
 
     cfg = _cfg("controller.kind=ray", "teacher.teachers.0.name=math",
                "teacher.teachers.0.data_sources=[gsm8k]",
@@ -308,16 +308,17 @@ def test_samples_go_to_their_teacher_in_micro_batch_chunks_on_the_least_loaded_r
     calls = []
     teachers = {"math": [_FakeTeacher("math0", calls), _FakeTeacher("math1", calls)],
                 "chat": [_FakeTeacher("chat0", calls)]}
-    pipe = Pipeline(cfg, SimpleNamespace(rollouts=[object()], teachers=teachers), _queue(size=10, batch=4),
-                    version=0, step=0, sampling=None)
-    groups = [_group(pipe.queue, 0) for _ in range(4)]
+    feed = RolloutFeed(cfg, SimpleNamespace(rollouts=[object()], teachers=teachers), _queue(size=10, batch=4),
+                       version=0, step=0, sampling=None)
+    groups = [_group(feed.queue, 0) for _ in range(4)]
     for g, routed in zip(groups, ["math", None, "math", None]):  # route_data's "teacher" key, or the default
         if routed:
             g.job.data["teacher"] = routed
-    pipe._score(groups)
-    # math: 4 samples -> chunks of 3 + 1 on its two replicas in turn; chat (the default): 3 + 1
+    feed._score(groups)
+    # math: 4 samples -> teacher calls of 3 + 1 on its two replicas in turn; chat (the default): 3 + 1
     assert calls == [("math0", 3), ("math1", 1), ("chat0", 3), ("chat0", 1)]
     rows = {g.job.prompt_index: g.teacher_rows for g in groups}
     assert rows[groups[0].job.prompt_index] == [(0, 0), (0, 1)]
-    assert rows[groups[2].job.prompt_index] == [(0, 2), (1, 0)]  # a group split over two chunks
-    assert [g.pending_chunks for g in groups] == [1, 1, 2, 2] and not any(pipe.scored(g) for g in groups)
+    assert rows[groups[2].job.prompt_index] == [(0, 2), (1, 0)]  # a group split over two teacher calls
+    assert [g.pending_teacher_calls for g in groups] == [1, 1, 2, 2]
+    assert not any(feed.scored(g) for g in groups)

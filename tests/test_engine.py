@@ -64,10 +64,10 @@ def _my_micro_batches():
 
 
 def _train_case(name, hf_dir, ckpt_root):
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.engine.megatron_engine import MegatronEngine
-    from opkd_mcore.config.schema import OptimSection
 
     tp, pp, vpp, distributed_optimizer = CASES[name]
     init_parallel(ParallelConfig(tp=tp, pp=pp, vpp=vpp, seed=7))
@@ -98,8 +98,8 @@ def _teacher_logits(hf_dir):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
 
     chunks = build_model(load_hf_config(hf_dir))
     load_hf_weights(chunks, hf_dir)
@@ -220,7 +220,7 @@ def test_forward_only_logits_match_hf(trained, qwen3_dir, name):
     """Packed forward of a teacher engine == separate HF forwards; padded vocab column masked."""
     from transformers import AutoModelForCausalLM
 
-    from opkd_mcore.engine.megatron_engine import PADDED_VOCAB_LOGIT
+    from opkd_kernels.linear_kd_common import PAD_LOGIT
 
     logits = [per_rank[name]["teacher_logits"] for per_rank in trained]
     logits = [x for x in logits if x is not None]
@@ -233,7 +233,7 @@ def test_forward_only_logits_match_hf(trained, qwen3_dir, name):
         width = 256 if CASES[name][0] == 2 else vocab  # TP=2 pads 255 up to 256
         assert got.shape == (expected.shape[0], width)
         torch.testing.assert_close(got[:, :vocab], expected, rtol=1e-4, atol=1e-4)
-        assert bool((got[:, vocab:] == PADDED_VOCAB_LOGIT).all())
+        assert bool((got[:, vocab:] == PAD_LOGIT).all())
 
 
 def test_engine_rejects_bad_calls(trained):

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from opkd_kernels import cpu_backend
 from opkd_kernels.linear_kd_chunked import ChunkedLinearKd
 from opkd_kernels.torch_backend import TorchKdBackend
-
 from opkd_mcore.losses import (
     DenseTeacher,
     HiddenTeacher,
@@ -232,6 +232,7 @@ TP_CASES = [
 def tp_worker(rank, world, engine_name, env_cases):
     """Each rank: its vocabulary shard of W and W_t; the loss, sum_r d/dh and its dW rows vs TP=1."""
     import torch.distributed as dist
+
     from opkd_kernels.fused_linear_kd import select_linear_engine
 
     engine = (ChunkedLinearKd(TorchKdBackend(), block_rows=4, block_cols=16) if engine_name == "torch"

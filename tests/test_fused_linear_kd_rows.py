@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from opkd_kernels import cpu_backend
 from opkd_kernels.linear_kd_rows import CHUNK_BYTES, chunk_rows_for, rows_linear_kd_loss
-
 from opkd_mcore.losses import (
     AGG_MODES,
     DenseTeacher,

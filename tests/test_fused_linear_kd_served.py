@@ -130,12 +130,12 @@ def _served_step(rank, world, student_dir, teacher_dir, fused):
     from megatron.core import parallel_state as ps
 
     from opkd_mcore.config import LossSection, ParallelSection
+    from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.losses import HiddenTeacher
+    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.teacher.hidden_states import rows_from_states
     from opkd_mcore.train.components import build_student, shard_layout
-    from opkd_mcore.config.schema import OptimSection
-    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.train.stages import train_stage
     from opkd_mcore.train.teacher_setup import with_hidden_teacher_head
     from tests.test_train_integration import _scored

@@ -42,12 +42,12 @@ def models(tmp_path_factory):
 def _step(student_dir, teacher_dir, loss_kwargs, fused: str):
     """One optimizer step through `train_stage`; (metrics, fused launches, weights after)."""
     from megatron.core import parallel_state as ps
-    from opkd_kernels.fused_linear_kd import LAUNCHES
 
+    from opkd_kernels.fused_linear_kd import LAUNCHES
     from opkd_mcore.config import LossSection, ParallelSection, load_config
-    from opkd_mcore.train.components import build_student, shard_layout, shared_padded_vocab
     from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.losses.plan import resolve_loss_plan
+    from opkd_mcore.train.components import build_student, shard_layout, shared_padded_vocab
     from opkd_mcore.train.stages import train_stage
     from opkd_mcore.train.teacher_setup import build_in_step_teacher
 

@@ -1,12 +1,12 @@
 """The Triton tiles of the fused LM-head loss under TRITON_INTERPRET=1 on CPU, vs the float64 brute force.
 
-A few cases of every kind (the chunked twin runs the whole case table in test_fused_linear_kd.py):
-dense forward / reverse KL / JSD in float32 and bfloat16, top-k teacher with tail and raw mass and
-coverage, dense teacher on a teacher / union support, vocabulary padding, several row and column
-blocks in every pass, the teacher top-1 of the stats pass, TP=2 over gloo, and the rows engine
-(`linear_kd_rows.py`) with these logits kernels. As in
-test_kernels_triton.py, every case runs in a spawned process that starts with the interpreter on,
-and each test reports its own case.
+The tiles' shared logit block (`_logit_tile.py`) against float64 on its own, then a few cases of
+every kind (the chunked twin runs the whole case table in test_fused_linear_kd.py): dense forward /
+reverse KL / JSD in float32 and bfloat16, top-k teacher with tail and raw mass and coverage, dense
+teacher on a teacher / union support, vocabulary padding, several row and column blocks in every
+pass, the teacher top-1 of the stats pass, TP=2 over gloo, and the rows engine (`linear_kd_rows.py`)
+with these logits kernels. As in test_kernels_triton.py, every case runs in a spawned process that
+starts with the interpreter on, and each test reports its own case.
 """
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton.language as tl
+
+from opkd_kernels._jit import lazy_jit
+from opkd_kernels._logit_tile import dot_operands, logit_tile
+from opkd_kernels.linear_kd_common import PAD_LOGIT
 from opkd_mcore.losses import HiddenTeacher
 from tests import kernels_cases as cases
 from tests import test_fused_linear_kd as lk
@@ -31,6 +36,38 @@ def _engine(**cfg):
     from opkd_kernels.linear_kd_triton import TritonLinearKd, default_config
 
     return TritonLinearKd(replace(default_config(), **cfg))
+
+
+def _tile_kernel(x_ptr, w_ptr, out_ptr, N, V, H, x_rs, w_rs, end, inv_T,
+                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok, col_ok = rows < N, cols < V
+    z = logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, x_rs, w_rs, end, inv_T,
+                   DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
+    tl.store(out_ptr + rows[:, None] * V + cols[None, :], z, mask=row_ok[:, None] & col_ok[None, :])
+
+
+_TILE_KERNEL = lazy_jit(_tile_kernel)
+
+
+def _logit_tile():
+    """The tile kernels' shared logit block (`_logit_tile.py`) vs float64 `h W^T / T`: ragged row,
+    column and hidden blocks (37 x 45 x 70 in 16 x 16 x 16 tiles), operands with row strides wider
+    than H, and the padding columns past `end` at PAD_LOGIT / T."""
+    g = torch.Generator().manual_seed(11)
+    n, v, h, end, temperature = 37, 45, 70, 40, 1.3
+    x = torch.randn(n, h + 3, generator=g)[:, :h]
+    w = torch.randn(v, h + 5, generator=g)[:, :h] / h ** 0.5
+    out = torch.full((n, v), float("nan"))
+    dot_dtype, precision = dot_operands(x)
+    _TILE_KERNEL.get()[(3, 3)](x, w, out, n, v, h, x.stride(0), w.stride(0), end, 1.0 / temperature,
+                               DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, BLOCK_N=16, BLOCK_V=16, BLOCK_K=16)
+    want = x.double() @ w.double().T / temperature
+    torch.testing.assert_close(out[:, :end].double(), want[:, :end], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:, end:].double(), torch.full((n, v - end), PAD_LOGIT / temperature,
+                                                                 dtype=torch.float64), rtol=1e-6, atol=0.0)
 
 
 def _dense(kd, dtype):
@@ -91,7 +128,6 @@ def _rows_teacher_top1_and_scale():
     argmax; without a gradient the engine's own max(dim=1). The gradients' in-place scaling kernel
     equals mul_ (several blocks, a partial one), and non-contiguous tensors take mul_ itself."""
     from opkd_kernels.kd_scale import scale_
-
     from opkd_mcore.losses import linear_kd_loss_weighted
 
     h, w, ht, wt = (x.float() for x in lk.make_inputs(10))
@@ -125,7 +161,7 @@ for _kd in [cases.TOPK_CASES[1], cases.TOPK_CASES[2], cases.TOPK_CASES[7]]:
     CASES[f"topk-{lk._ids(_kd)}"] = (_topk, (_kd,))
 for _kd in [cases.DENSE_SUPPORT_CASES[0], cases.DENSE_SUPPORT_CASES[2]]:
     CASES[f"dense-support-{lk._ids(_kd)}"] = (_dense_support, (_kd,))
-CASES.update({"vocabulary-padding": (_padding, ()), "many-blocks": (_many_blocks, ()),
+CASES.update({"logit-tile": (_logit_tile, ()), "vocabulary-padding": (_padding, ()), "many-blocks": (_many_blocks, ()),
               "teacher-top1": (_teacher_top1, ()), "rows-engine": (_rows_engine, ()),
               "rows-teacher-top1-and-scale": (_rows_teacher_top1_and_scale, ())})
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from opkd_kernels import cpu_backend
 from opkd_kernels.fused_kd import KdSpec, fused_kd_loss
 from opkd_kernels.fused_linear_kd import fused_linear_kd_loss
 from opkd_kernels.linear_kd_rows import rows_linear_kd_loss
-
 from opkd_mcore.losses import DenseTeacher, TopKTeacher
 from opkd_mcore.losses.aggregation import aggregate, aggregate_row_weights
 from opkd_mcore.losses.kd_loss import kd_loss_with_stats

@@ -42,10 +42,10 @@ MICRO_BATCH_OF = [0, 0, 1]
 
 
 def _train_case(name, hf_dirs, ckpt_root, params_dtype=None):
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.engine.megatron_engine import MegatronEngine
-    from opkd_mcore.config.schema import OptimSection
 
     family, layout, coef, distopt = CASES[name]
     init_parallel(ParallelConfig(seed=7, **layout))

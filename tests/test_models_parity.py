@@ -137,8 +137,14 @@ def _view_mismatches(chunks, hf_dir: str) -> list[str]:
 
 
 def _run_case(rank, family, layout_name, hf_dir, out_root):
-    from opkd_mcore.models import (build_model, hf_weight_metadata, iter_hf_weights,
-                                   load_hf_config, load_hf_weights, save_hf_checkpoint)
+    from opkd_mcore.models import (
+        build_model,
+        hf_weight_metadata,
+        iter_hf_weights,
+        load_hf_config,
+        load_hf_weights,
+        save_hf_checkpoint,
+    )
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
 
     init_parallel(ParallelConfig(**LAYOUTS[layout_name]))

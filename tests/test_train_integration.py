@@ -74,12 +74,12 @@ LOSSES = {  # name -> (LossSection kwargs, dense teacher rows)
 def _train_once(model_dir, loss_kwargs, dense, impl, tp_group_size):
     """One optimizer step through `train_stage` (Megatron, the real objective) on fresh weights."""
     from megatron.core import parallel_state as ps
-    from opkd_kernels.fused_kd import LAUNCHES
 
+    from opkd_kernels.fused_kd import LAUNCHES
     from opkd_mcore.config import LossSection, ParallelSection
-    from opkd_mcore.train.components import build_student, shard_layout
     from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.losses.plan import resolve_loss_plan
+    from opkd_mcore.train.components import build_student, shard_layout
     from opkd_mcore.train.stages import train_stage
 
     # adam_eps=1 makes the update ~ lr * g (Adam's g/sqrt(v) would turn float noise in a ~0
@@ -162,11 +162,11 @@ def _in_step_teacher(rank, world, student_dir, teacher_dir, poison):
     from megatron.core import parallel_state as ps
 
     from opkd_mcore.config import LossSection, ParallelSection, load_config
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.teacher.base import MalformedTeacherOutputError
     from opkd_mcore.train.components import build_student, shard_layout, shared_padded_vocab
-    from opkd_mcore.config.schema import OptimSection
-    from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.train.stages import train_stage
     from opkd_mcore.train.teacher_setup import build_in_step_teacher
 
@@ -232,10 +232,10 @@ def test_nan_in_the_in_step_teacher_is_an_error_naming_it_and_nothing_is_applied
 
 
 def _nonfinite_step(rank, world, student_dir):
-    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.engine.packing import pack_sequences
-    from opkd_mcore.train.components import build_student
     from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.engine.packing import pack_sequences
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.train.components import build_student
 
     init_parallel(ParallelConfig())
     try:
@@ -305,7 +305,7 @@ DEFAULT_FUSED = "triton" if torch.cuda.is_available() else "cpp"
     ("tp1", 1, ()),
     ("tp2", 2, ("parallel.tp=2",)),
     ("pp2", 2, ("parallel.pp=2",)),
-    # the scale run's layout (issue 15) with 4 CPU processes standing in for 4 GPUs
+    # TP and PP together (a large model's layout) with 4 CPU processes standing in for 4 GPUs
     ("tp2pp2", 4, ("parallel.tp=2", "parallel.pp=2")),
     # the fused LM head's rows engine (gradients in the forward) through the entry point, on the
     # student and the in-step teacher's hidden states: the same losses as materialised logits

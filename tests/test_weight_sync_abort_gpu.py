@@ -21,7 +21,7 @@ real NCCL backend:
 - the sender records what its `sync` did (returned, raised, or still blocked on the host: the blocking
   copy of a bucket's trailer synchronises the stream that waits on the hung broadcast), then aborts
   the group, checks that the device drains, that its source tensors are untouched, and syncs a new
-  version over a new group (new port, new transport, new `WeightSender`, same plan) to a new receiver,
+  version over a new group (new port, new transport, new `BucketSender`, same plan) to a new receiver,
   whose bytes are compared with the source's;
 - the second test lets the old group run into its NCCL timeout before aborting: the trainer must
   survive a hung engine.
@@ -46,7 +46,7 @@ import traceback
 import pytest
 import torch
 
-from opkd_mcore.weight_sync import BucketPlan, TransportConfig, WeightSender, make_transport
+from opkd_mcore.weight_sync import BucketPlan, BucketSender, TransportConfig, make_transport
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
 from tests._dist import free_port, require_devices
 from tests.test_weight_sync_transport import _digest, _start
@@ -174,7 +174,7 @@ def _sender_proc(old: TransportConfig, new: TransportConfig, abort_at_once: bool
         source = [(n, t.to(device)) for n, t in _model(DEAD_VERSION)]
         before = [t.clone() for _, t in source]
         transport = make_transport("group", old, rank=0)
-        sender = WeightSender(plan, transport, 0)
+        sender = BucketSender(plan, transport, 0)
         transport.connect()
         report("joined", buckets=len(plan.buckets), mib=round(plan.total_bytes / 2**20),
                torch=torch.__version__, nccl=str(torch.cuda.nccl.version()),
@@ -212,7 +212,7 @@ def _sender_proc(old: TransportConfig, new: TransportConfig, abort_at_once: bool
         # 3. a new group on a new port, a new transport and sender with the same plan, a new receiver
         fresh = [(n, t.to(device)) for n, t in _model(NEW_VERSION)]
         new_transport = make_transport("group", new, rank=0)
-        new_sender = WeightSender(plan, new_transport, 0)
+        new_sender = BucketSender(plan, new_transport, 0)
         new_sync = _InThread(lambda: new_sender.sync(iter(fresh), NEW_VERSION))
         new_sync.wait(NEW_SYNC_LIMIT_S)
         report("new_sync", **new_sync.outcome())

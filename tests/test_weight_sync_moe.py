@@ -20,10 +20,10 @@ import torch
 from opkd_mcore.rollout.vllm_rollout import shutdown_llm
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from opkd_mcore.weight_sync.receiver import VllmWeightReceiver
-from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle
+from opkd_mcore.weight_sync.vllm_handle import VllmReceiverHandle
 from tests._dist import free_port, require_devices, run_distributed
 from tests.conftest import VLLM_FP32_LOGPROB_ATOL, engine_kwargs
-from tests.test_weight_sync_vllm import TRANSPORT, TRAIN_SEQUENCES, _ce_loss, greedy, hf_state
+from tests.test_weight_sync_vllm import TRAIN_SEQUENCES, TRANSPORT, _ce_loss, greedy, hf_state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -45,12 +45,12 @@ class MoeReceiverForTest(VllmWeightReceiver, MoeProbeForTest):
 
 def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
     """Train one step at EP=2, save the HF export, sync the live weights into the engine."""
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.engine.packing import pack_sequences
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights, save_hf_checkpoint
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.engine.packing import pack_sequences
-    from opkd_mcore.engine.megatron_engine import MegatronEngine
-    from opkd_mcore.config.schema import OptimSection
-    from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync
+    from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport
 
     init_parallel(ParallelConfig(ep=2, seed=7))
     try:
@@ -61,7 +61,7 @@ def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
         batch = [pack_sequences([TRAIN_SEQUENCES[rank]], [4])]  # one sequence per DP rank
         metrics = engine.train_step(batch, _ce_loss(2 * batch[0].num_loss_tokens))
         save_hf_checkpoint(chunks, export_dir, src_hf_dir=hf_dir, progress=False)
-        sync = MegatronWeightSync(chunks, SyncGroupsConfig(**sync_cfg))
+        sync = MegatronWeightExport(chunks, SyncGroupsConfig(**sync_cfg))
         sync.connect()
         stats = sync.sync(VERSION)
         sent = [] if sync.sender is None else \
@@ -123,7 +123,7 @@ def test_ep2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
     try:
         before = greedy(llm)
         cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=300, bucket_bytes=1 << 18)
-        handle = VllmSyncHandle(llm)
+        handle = VllmReceiverHandle(llm)
         # one group per source (stage 0, EP rank 0 / 1); on GPUs the transport the trainer picks for an
         # engine on rank 0's device, device IPC (rank 1's buffers are mapped from the other GPU)
         cfg = replace(cfg, transport=TRANSPORT)

@@ -27,7 +27,7 @@ def _tp2_sender(rank, world, hf_dir, sync_cfg, unmappable_rank=None):
     from opkd_mcore.platform.ipc_handles import IpcHandleError
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.weight_sync import peer_export
-    from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync
+    from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport
 
     if rank == unmappable_rank:
         def refuse(handle, what, peer=False):
@@ -37,7 +37,7 @@ def _tp2_sender(rank, world, hf_dir, sync_cfg, unmappable_rank=None):
     try:
         chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32)
         load_hf_weights(chunks, hf_dir)
-        sync = MegatronWeightSync(chunks, SyncGroupsConfig(**sync_cfg))
+        sync = MegatronWeightExport(chunks, SyncGroupsConfig(**sync_cfg))
         sync.connect()
         gathers = {"n": 0}
         name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -106,7 +106,7 @@ def test_peer_export_of_an_moe_model_is_refused_naming_the_key():
 
     fake = SimpleNamespace(ep=2, cfg=SyncGroupsConfig(tp_export="peer"))
     with pytest.raises(ValueError, match=r"weight_sync.tp_export=peer: dense models only .*expert parallelism 2"):
-        megatron_source.MegatronWeightSync._check_tp_export(fake)
+        megatron_source.MegatronWeightExport._check_tp_export(fake)
 
 
 def _tp2_peer_required(rank, world, hf_dir, sync_cfg):

@@ -23,7 +23,7 @@ import time
 import traceback
 
 from opkd_mcore.platform.stateless_group import abort_signalled, new_stateless_group, signal_abort
-from opkd_mcore.weight_sync import TransportConfig, WeightSender, WeightSyncAborted, make_transport
+from opkd_mcore.weight_sync import BucketSender, TransportConfig, WeightSyncAborted, make_transport
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
 from tests._dist import free_port
 from tests.test_weight_sync_transport import _collect, _digest, _plan, _stage_tensors, _start
@@ -62,7 +62,7 @@ def _sender_proc(group: TransportConfig, go, done, queue):
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         transport = make_transport("group", group, rank=0)
-        WeightSender(_plan(), transport, 0).sync(iter(_stage_tensors(0, 1)), 1)
+        BucketSender(_plan(), transport, 0).sync(iter(_stage_tensors(0, 1)), 1)
         go.wait(60)             # the receiver is in its second receive, which gets no sync
         time.sleep(0.5)
         signal_abort(transport.pg, REASON)

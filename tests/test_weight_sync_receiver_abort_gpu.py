@@ -27,7 +27,7 @@ import traceback
 import pytest
 import torch
 
-from opkd_mcore.weight_sync import TransportConfig, WeightSender, WeightSyncAborted, make_transport
+from opkd_mcore.weight_sync import BucketSender, TransportConfig, WeightSyncAborted, make_transport
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
 from tests._dist import free_port
 from tests.test_weight_sync_abort_gpu import (
@@ -51,14 +51,14 @@ def _sender_proc(old: TransportConfig, new: TransportConfig, go, queue):
         _setup_child(SENDER_GPU)
         device = torch.device("cuda", SENDER_GPU)
         transport = make_transport("group", old, rank=0)
-        WeightSender(_plan(), transport, 0).sync(iter([(n, t.to(device)) for n, t in _model(1)]), 1)
+        BucketSender(_plan(), transport, 0).sync(iter([(n, t.to(device)) for n, t in _model(1)]), 1)
         torch.cuda.synchronize(device)
         go.wait(120)             # the receiver is in its second receive
         time.sleep(0.5)
         queue.put(("sender", "abort", {"t": time.monotonic()}))
         transport.close(abort=True)
         fresh = make_transport("group", new, rank=0)
-        WeightSender(_plan(), fresh, 0).sync(iter([(n, t.to(device)) for n, t in _model(2)]), 2)
+        BucketSender(_plan(), fresh, 0).sync(iter([(n, t.to(device)) for n, t in _model(2)]), 2)
         torch.cuda.synchronize(device)
         fresh.close()
         queue.put(("sender", "done", {}))

@@ -15,8 +15,8 @@ import weakref
 import pytest
 import torch
 
-from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
 from opkd_mcore.weight_sync import copy_replay
+from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
 from opkd_mcore.weight_sync.copy_replay import BucketReplay, CopyRecorder, ModelStorages, model_storages
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from tests._dist import free_port
@@ -233,13 +233,13 @@ def _megatron_sender(rank, world, hf_dir, sync_cfg, tp):
     before the fourth sync one parameter gets new storage, as a checkpoint load may do."""
     from opkd_mcore.models import build_model, iter_hf_weights, load_hf_config, load_hf_weights
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync
+    from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport
 
     init_parallel(ParallelConfig(tp=tp, seed=3))
     try:
         chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32)
         load_hf_weights(chunks, hf_dir)
-        sync = MegatronWeightSync(chunks, SyncGroupsConfig(**sync_cfg))
+        sync = MegatronWeightExport(chunks, SyncGroupsConfig(**sync_cfg))
         sync.connect()
         params = [p for p in chunks[0].parameters()]
         out = []

@@ -16,7 +16,13 @@ import traceback
 import pytest
 import torch
 
-from opkd_mcore.weight_sync import BucketPlan, TransportConfig, WeightSender, WeightSyncTimeout, make_transport
+from opkd_mcore.weight_sync import (
+    BucketPlan,
+    BucketSender,
+    TransportConfig,
+    WeightSyncTimeout,
+    make_transport,
+)
 from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from tests._dist import free_port
@@ -56,7 +62,7 @@ def _sender_proc(stage, group, versions, queue, transport_name="group", bucket_b
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         transport = make_transport(transport_name, group, rank=0)
-        sender = WeightSender(_plan(bucket_bytes), transport, stage)
+        sender = BucketSender(_plan(bucket_bytes), transport, stage)
         for v in versions:
             sender.sync(iter(_stage_tensors(stage, v)), v)
         s = sender.stats
@@ -249,7 +255,7 @@ def test_dead_receiver_fails_sender_within_timeout():
     source = _stage_tensors(0, 5)
     before = {n: t.clone() for n, t in source}
     transport = make_transport("group", group, rank=0)
-    sender = WeightSender(plan, transport, 0)
+    sender = BucketSender(plan, transport, 0)
     transport.connect()
     start = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match="did not finish within|left the group"):
@@ -274,7 +280,7 @@ def test_join_without_peer_times_out_with_clear_error():
 def test_stream_errors_name_the_tensor():
     plan = BucketPlan.from_named_tensors(_stage_tensors(0, 0), BUCKET_BYTES)
     group = TransportConfig(port=free_port(), world_size=1, timeout_s=10)  # no receivers needed
-    sender = WeightSender(plan, make_transport("group", group, rank=0), 0)
+    sender = BucketSender(plan, make_transport("group", group, rank=0), 0)
     wrong_dtype = [(n, t.double()) if "q_proj" in n else (n, t) for n, t in _stage_tensors(0, 1)]
     with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.weight' has shape"):
         sender.sync(iter(wrong_dtype), 1)
@@ -377,7 +383,7 @@ def test_listener_moves_off_a_taken_port_and_exact_port_is_refused_clearly():
 
 def _stage_owners_on_taken_ports(rank, world, base_port):
     """Each rank owns one PP stage; the rank that also 'drives the engine' (0) learns every stage's port
-    only after the owners bound them, then receives in a thread, as `WeightSyncer` does with vLLM."""
+    only after the owners bound them, then receives in a thread, as `SpmdWeightSync` does with vLLM."""
     import threading
     from dataclasses import replace
 
@@ -397,7 +403,7 @@ def _stage_owners_on_taken_ports(rank, world, base_port):
 
         engine = threading.Thread(target=receive)
         engine.start()
-    WeightSender(_plan(), transport, rank).sync(iter(_stage_tensors(rank, 6)), 6)
+    BucketSender(_plan(), transport, rank).sync(iter(_stage_tensors(rank, 6)), 6)
     if rank == 0:
         engine.join(60)
         assert not engine.is_alive(), "receiver did not finish"
@@ -436,14 +442,14 @@ def _megatron_sender_with_dying_receiver(rank, world, hf_dir, sync_cfg):
     """TP=2 Megatron job whose receiver dies: both TP ranks must fail (none hangs), weights intact."""
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync
+    from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport
 
     init_parallel(ParallelConfig(tp=2, seed=3))
     try:
         chunks = build_model(load_hf_config(hf_dir))
         load_hf_weights(chunks, hf_dir)
         before = [p.detach().clone() for p in chunks[0].parameters()]
-        sync = MegatronWeightSync(chunks, SyncGroupsConfig(**sync_cfg))
+        sync = MegatronWeightExport(chunks, SyncGroupsConfig(**sync_cfg))
         sync.connect()
         start = time.monotonic()
         try:
@@ -485,7 +491,7 @@ def _slow_sender_proc(group, delay_s, queue):
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         transport = make_transport("group", group, rank=0)
-        sender = WeightSender(_plan(), transport, 1)
+        sender = BucketSender(_plan(), transport, 1)
         events, broadcast = [], transport.broadcast
 
         def logged_broadcast(buf, nbytes):  # the real broadcast, its order among the exports noted
@@ -586,19 +592,76 @@ class _TeardownWaitsForPeer:
 
 
 def test_engine_link_closes_both_ends_at_once():
-    """`EngineWeightSync.close` (the torchrun layout's rank that drives the engine): the stage owner
+    """`SpmdWeightSync.close` (the torchrun layout's rank that drives the engine): the stage owner
     and the engine's workers leave together; one after the other hung until a time limit on two GPUs."""
     import threading
     from types import SimpleNamespace
 
-    from opkd_mcore.weight_sync.engine_link import EngineWeightSync
+    from opkd_mcore.weight_sync.engine_link import SpmdWeightSync
 
     trainer_end, engine_end = threading.Event(), threading.Event()
-    source = _TeardownWaitsForPeer(trainer_end, [engine_end])
-    source.cfg = SimpleNamespace(timeout_s=30)
-    link = EngineWeightSync(source, _TeardownWaitsForPeer(engine_end, [trainer_end]))
+    export = _TeardownWaitsForPeer(trainer_end, [engine_end])
+    export.cfg = SimpleNamespace(timeout_s=30)
+    link = SpmdWeightSync(export, _TeardownWaitsForPeer(engine_end, [trainer_end]))
     link.close()
     assert trainer_end.is_set() and engine_end.is_set()
+
+
+class _RecordingEnds:
+    """The export, the engine's receiver handle and the rollout of `SpmdWeightSync`, recording calls."""
+
+    def __init__(self, loaded=None, fail_export=False):
+        import concurrent.futures as cf
+        from types import SimpleNamespace
+
+        self.calls, self.loaded, self.fail_export = [], loaded, fail_export
+        self.cfg = SimpleNamespace(timeout_s=30)
+        self._future = cf.Future
+
+    def sync(self, version):  # the export
+        self.calls.append(f"export v{version}")
+        if self.fail_export:
+            raise RuntimeError("export failed")
+
+    def receive_async(self, version):  # the handle
+        self.calls.append(f"receive v{version} posted")
+        future = self._future()
+        future.set_result(self.loaded or [version])
+        return future
+
+    def pause(self):
+        self.calls.append("pause")
+
+    def resume(self):
+        self.calls.append("resume")
+
+    def set_weight_version(self, version, engine_stamped=False):
+        self.calls.append(f"version v{version} engine_stamped={engine_stamped}")
+
+
+def test_spmd_sync_pauses_the_engine_around_send_and_receive():
+    """On the engine's rank: the engine paused, the receive posted before the send, the version
+    recorded as stamped by the engine, then resumed; other ranks only send."""
+    from opkd_mcore.weight_sync.engine_link import SpmdWeightSync
+
+    ends = _RecordingEnds()
+    assert SpmdWeightSync(ends, handle=ends, rollout=ends).sync(3) == 3
+    assert ends.calls == ["pause", "receive v3 posted", "export v3", "version v3 engine_stamped=True", "resume"]
+    other_rank = _RecordingEnds()
+    SpmdWeightSync(other_rank).sync(3)
+    assert other_rank.calls == ["export v3"]
+
+
+@pytest.mark.parametrize("ends, error", [(dict(fail_export=True), "export failed"),
+                                         (dict(loaded=[3, 2]), r"workers report versions \[3, 2\], expected 3")])
+def test_spmd_sync_failure_resumes_the_engine_without_a_new_version(ends, error):
+    from opkd_mcore.weight_sync.engine_link import SpmdWeightSync
+
+    ends = _RecordingEnds(**ends)
+    with pytest.raises(RuntimeError, match=error):
+        SpmdWeightSync(ends, handle=ends, rollout=ends).sync(3)
+    assert ends.calls[0] == "pause" and ends.calls[-1] == "resume"
+    assert not any(c.startswith("version") for c in ends.calls)
 
 
 class _GroupWhoseShutdownWaitsForADeadPeer:
@@ -637,7 +700,7 @@ def test_sender_host_waits_do_not_grow_with_the_buckets():
         tensors = _stage_tensors(0, 3)
         plan = BucketPlan.from_named_tensors(tensors, bucket_bytes)
         group = TransportConfig(port=free_port(), world_size=1, timeout_s=30)  # no receivers needed
-        sender = WeightSender(plan, make_transport("group", group, rank=0), 0)
+        sender = BucketSender(plan, make_transport("group", group, rank=0), 0)
         sender.sync(iter(tensors), 3)  # the first sync also moves the plan
         with SyncingOpRecorder() as recorder:
             sender.sync(iter(tensors), 4)

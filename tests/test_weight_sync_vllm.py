@@ -17,11 +17,17 @@ import pytest
 import torch
 
 from opkd_mcore.platform import is_cpu
-from opkd_mcore.weight_sync import BucketPlan, PlanMismatchError, TransportConfig, WeightSender, make_transport
+from opkd_mcore.rollout.vllm_rollout import shutdown_llm
+from opkd_mcore.weight_sync import (
+    BucketPlan,
+    BucketSender,
+    PlanMismatchError,
+    TransportConfig,
+    make_transport,
+)
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from opkd_mcore.weight_sync.receiver import VllmWeightReceiver
-from opkd_mcore.rollout.vllm_rollout import shutdown_llm
-from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle, run_concurrently
+from opkd_mcore.weight_sync.vllm_handle import VllmReceiverHandle, run_concurrently
 from tests._dist import free_port, run_distributed
 from tests.conftest import engine_kwargs
 
@@ -170,11 +176,11 @@ def _round_trip(llm, fresh, checkpoints):
     state_a, state_b = hf_state(checkpoints["A"]), hf_state(checkpoints["B"])
     plan = BucketPlan.from_named_tensors(state_a.items(), BUCKET_BYTES)
     assert len(plan.buckets) > 3
-    handle = VllmSyncHandle(llm)
+    handle = VllmReceiverHandle(llm)
     groups = _groups()
     transport = make_transport(TRANSPORT, groups[0], rank=0)
     _connect_both(handle, transport, groups)
-    sender = WeightSender(plan, transport)
+    sender = BucketSender(plan, transport)
 
     assert handle.posts  # vLLM's multiprocess client: the engine calls are posted back to back
     out = _sync(handle, sender, state_a, version=1)
@@ -235,8 +241,8 @@ def _check_engine_calls(llm, handle, version: str):
 def test_declined_prefix_cache_reset_fails_the_sync():
     """vLLM answers False when requests still hold cached blocks: the sync reports it."""
     with pytest.raises(RuntimeError, match="kept its prefix cache"):
-        VllmSyncHandle._received({"reset": False, "receive": [3]})
-    assert VllmSyncHandle._received({"reset": True, "receive": [3]}) == [3]
+        VllmReceiverHandle._received({"reset": False, "receive": [3]})
+    assert VllmReceiverHandle._received({"reset": True, "receive": [3]}) == [3]
 
 
 def test_engine_load_mode_is_direct_only_where_processing_is_a_noop():
@@ -272,11 +278,11 @@ def test_plan_mismatch_names_the_tensor(engine, checkpoints, tmp_path, variant):
         state = hf_state(other)
         first_bad = None
     plan = BucketPlan.from_named_tensors(state.items(), BUCKET_BYTES)
-    handle = VllmSyncHandle(llm)
+    handle = VllmReceiverHandle(llm)
     groups = _groups()
     transport = make_transport(TRANSPORT, groups[0], rank=0)
     _connect_both(handle, transport, groups)
-    sender = WeightSender(plan, transport)
+    sender = BucketSender(plan, transport)
     receiving = handle.receive_async()
     with pytest.raises(PlanMismatchError) as err:
         sender.sync(iter(state.items()), 3)
@@ -292,7 +298,7 @@ def test_plan_mismatch_names_the_tensor(engine, checkpoints, tmp_path, variant):
 
 
 # ---------------------------------------------------------------------------- Megatron student
-# tp2pp2vpp2: the scale run's student layout (issue 15), 4 CPU processes standing in for 4 GPUs
+# tp2pp2vpp2: TP, PP and VPP together (a large student's layout), 4 CPU processes standing in for 4 GPUs
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "pp2vpp2": dict(pp=2, vpp=2),
            "tp2pp2vpp2": dict(tp=2, pp=2, vpp=2)}
 TRAIN_SEQUENCES = [[1, 4, 5, 14, 6, 15, 9, 12, 2], [1, 7, 8, 14, 9, 15, 10, 11, 2]]  # equal lengths
@@ -311,12 +317,12 @@ def _ce_loss(num_tokens: int):
 
 def _megatron_trainer(rank, world, hf_dir, export_dir, layout, sync_cfg, version):
     """Train one step, save the HF export, then sync the live weights into the engine."""
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.engine.packing import pack_sequences
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights, save_hf_checkpoint
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.engine.packing import pack_sequences
-    from opkd_mcore.engine.megatron_engine import MegatronEngine
-    from opkd_mcore.config.schema import OptimSection
-    from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, is_stage_owner
+    from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport, is_stage_owner
 
     init_parallel(ParallelConfig(**LAYOUTS[layout], seed=7))
     try:
@@ -331,7 +337,7 @@ def _megatron_trainer(rank, world, hf_dir, export_dir, layout, sync_cfg, version
         batches = [pack_sequences([seq], [4]) for seq in TRAIN_SEQUENCES]
         metrics = engine.train_step(batches, _ce_loss(sum(b.num_loss_tokens for b in batches)))
         save_hf_checkpoint(chunks, export_dir, src_hf_dir=hf_dir, progress=False)
-        sync = MegatronWeightSync(chunks, SyncGroupsConfig(**sync_cfg))
+        sync = MegatronWeightExport(chunks, SyncGroupsConfig(**sync_cfg))
         sync.connect()
         stats = sync.sync(version)
         sync.close()
@@ -348,7 +354,7 @@ def test_megatron_student_synced_matches_its_hf_export(engine, checkpoints, tmp_
     version = 10 + list(LAYOUTS).index(layout)
     pp = LAYOUTS[layout].get("pp", 1)
     cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=300, bucket_bytes=1 << 20)
-    handle = VllmSyncHandle(llm)
+    handle = VllmReceiverHandle(llm)
     world = LAYOUTS[layout].get("tp", 1) * pp
     if torch.cuda.is_available() and torch.cuda.device_count() < max(world, 2):
         pytest.skip(f"the Megatron trainer runs {max(world, 2)} ranks: needs as many GPUs")

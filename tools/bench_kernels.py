@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common (`opkd bench` runs us by path)
 
 from bench_common import add_results_argument, device_name, record, run_metadata, time_it  # noqa: E402
+
 from opkd_kernels.fused_kd import KdSpec, fused_kd_loss  # noqa: E402
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, kd_loss  # noqa: E402
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from bench_common import percentiles  # tools/ is on the path: bench_kernels.py imports this module
+
 from opkd_kernels.fused_kd import KdSpec, fused_kd_loss
 from opkd_kernels.fused_linear_kd import fused_linear_kd_loss
 

@@ -34,13 +34,13 @@ def run_moe(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.engine.packing import pack_sequences
     from opkd_mcore.losses import DenseTeacher
     from opkd_mcore.models import build_model, hf_weight_metadata
     from opkd_mcore.models.tiny import TinyModelShape, tiny_hf_config
     from opkd_mcore.platform import ParallelConfig, current_device, destroy_parallel, init_parallel
-    from opkd_mcore.engine.packing import pack_sequences
-    from opkd_mcore.engine.megatron_engine import MegatronEngine
-    from opkd_mcore.config.schema import OptimSection
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = args.ep or world

@@ -1,7 +1,7 @@
 """Benchmark a full weight sync against a raw broadcast of the same bytes on the same group.
 
 Two processes: rank 0 holds a model of the given shape (HF-named tensors, on device 0) and sends it
-with `WeightSender`; rank 1 stands in for the rollout side (vLLM is not needed): a `BucketReceiver`
+with `BucketSender`; rank 1 stands in for the rollout side (vLLM is not needed): a `BucketReceiver`
 that copies every received tensor into its own preallocated copy of the model, as `load_weights`
 would. In the same run and on the same group, a raw broadcast loop moves the same total bytes in
 messages of the same size from one reused buffer: the transport's ceiling. Prints a table, writes
@@ -123,7 +123,7 @@ def raw_broadcast(transport, buf, total_bytes, timeout):
 def worker(rank: int, args, port: int, queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "4")
     from opkd_mcore.platform import current_device, device_type
-    from opkd_mcore.weight_sync import BucketPlan, TransportConfig, WeightSender, make_transport
+    from opkd_mcore.weight_sync import BucketPlan, BucketSender, TransportConfig, make_transport
     from opkd_mcore.weight_sync.bucket_receiver import BucketReceiver
 
     kind = device_type(args.device)
@@ -139,7 +139,7 @@ def worker(rank: int, args, port: int, queue) -> None:
     result = {"rank": rank}
     if rank == 0:
         transport = make_transport(args.transport, cfg, 0)
-        sender = WeightSender(plan, transport)
+        sender = BucketSender(plan, transport)
         transport.connect()
         result["sync_s"] = timed(lambda i: sender.sync(iter(model.items()), i), device, transport,
                                   args.iters, args.warmup)

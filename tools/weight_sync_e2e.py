@@ -1,7 +1,7 @@
 """End-to-end weight sync: Megatron student -> export -> transport -> load into a running vLLM engine.
 
 `bench_weight_sync.py --e2e` runs this. What a sync costs in `opkd train`, measured with the
-trainer's own parts (`train.components.WeightSyncer`): Megatron export (TP gather, QKV / gate-up
+trainer's own parts (`train.components.build_weight_sync`): Megatron export (TP gather, QKV / gate-up
 un-fusing), the bucketed transfer, and vLLM's layerwise reload of every tensor into the engine,
 ending when the engine reports the new version. In the same run, on the same two devices, a raw
 transfer of the same bytes in the same message size is the ceiling:
@@ -62,7 +62,7 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(tp), LOCAL_RANK=str(first_gpu + rank))
     from opkd_mcore.config import TrainConfig
-    from opkd_mcore.train.components import WeightSyncer, build_rollout, build_student, init_distributed
+    from opkd_mcore.train.components import build_rollout, build_student, build_weight_sync, init_distributed
 
     cfg = TrainConfig()
     cfg.model.student, cfg.model.params_dtype = model_dir, "bfloat16"
@@ -76,7 +76,7 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
         _split_cpus(args.trainer_cpus)
     init_distributed(cfg)
     _, chunks = build_student(model_dir, None, "bfloat16")
-    syncer = WeightSyncer(chunks, rollout, cfg)
+    syncer = build_weight_sync(chunks, rollout, cfg)
     versions, phases = iter(range(1, args.warmup + args.iters + 1)), []
     # returns once every engine worker has loaded the version
     times = time_it(lambda: syncer.sync(next(versions)), args.warmup, args.iters, torch.cuda.synchronize,
@@ -85,9 +85,9 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
     phases = phases[args.warmup:]
     if args.profile:
         _profiled_sync(syncer, args.warmup + args.iters + 1, f"{args.profile}_rank{rank}.txt")
-    rpc = _idle_rpc(syncer.link.handle) if syncer.link.handle is not None else None
-    stats = syncer.link.source.sender.stats if syncer.link.source.sender is not None else None
-    plan = syncer.link.source.plan
+    rpc = _idle_rpc(syncer.handle) if syncer.handle is not None else None
+    stats = syncer.export.sender.stats if syncer.export.sender is not None else None
+    plan = syncer.export.plan
     if rank == 0:
         version = rollout.weight_version
         queue.put({"sync_s": times, "version": version, "total_bytes": plan.total_bytes,
@@ -117,12 +117,12 @@ def _phases(syncer) -> dict:
     """Host seconds of the last sync by phase: the sender's export + pack and its waits, the first
     engine worker's load, its waits for bytes, and vLLM's layerwise reload set-up + finalize; and
     how many buckets each end replayed (`weight_sync/copy_replay.py`)."""
-    sender = syncer.link.source.sender
+    sender = syncer.export.sender
     out = {} if sender is None else {"pack_s": sender.stats.last_pack_s,
                                      "send_wait_s": sender.stats.last_wait_s,
                                      "sent_replayed": sender.stats.last_replayed}
-    if syncer.link.handle is not None:
-        worker, t = syncer.link.handle.stats()[0], syncer.link.handle.last_receive_t
+    if syncer.handle is not None:
+        worker, t = syncer.handle.stats()[0], syncer.handle.last_receive_t
         out.update(load_s=worker["last_load_s"], recv_wait_s=worker["last_wait_s"],
                    reload_s=worker["last_reload_s"],
                    loaded_replayed=worker["last_replayed"],

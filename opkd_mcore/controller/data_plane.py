@@ -46,8 +46,9 @@ class GroupResult:
     # per sample: [[version, tokens], ...] when its response spans weight versions, else None
     token_versions: list[list[list[int]] | None]
     seconds: float  # this group's share of the engine call's wall time
-    teacher_rows: list[tuple[int, int] | None] = field(default_factory=list)  # per sample: (chunk, row)
-    pending_chunks: int = 0  # teacher calls holding its rows that have not returned
+    # per sample: (teacher call id, row in that call's rows)
+    teacher_rows: list[tuple[int, int] | None] = field(default_factory=list)
+    pending_teacher_calls: int = 0  # teacher calls holding its rows that have not returned
     deferred: bool = False  # the schedule has not let it be scored yet
 
     @property

@@ -1,6 +1,6 @@
 """The Ray driver of `opkd train ... controller.kind=ray`: one step at a time, the stages overlapped.
 
-    batch t  <- pipeline.take_batch(t)        groups generated (and scored) under the schedule
+    batch t  <- feed.take_batch(t)            groups generated (and scored) under the schedule
     train    <- every trainer rank, at once   teacher rows pulled by the ranks, not through here
     samples.jsonl, metrics.jsonl              one line per trained / dropped sample; step metrics
     sync     -> every rollout engine at once  after the step (weight_sync.every_steps)
@@ -30,7 +30,7 @@ from opkd_mcore.controller.groups import (
     await_named,
 )
 from opkd_mcore.controller.placement import cpus_needed
-from opkd_mcore.controller.schedules import Pipeline, StepWork
+from opkd_mcore.controller.schedules import RolloutFeed, StepWork
 from opkd_mcore.controller.trainer_worker import TrainBatch
 from opkd_mcore.data import PromptSampler
 from opkd_mcore.data.rewards import TaskRewards
@@ -57,9 +57,9 @@ ENGINE_ROLLOUT_FIELDS = ("max_model_len", "gpu_memory_utilization", "enforce_eag
 
 class RayController:
     """One run on Ray. `groups`: reuse the actors of an earlier run of the same workload (its
-    trainer is reset to the initial checkpoint). `on_event(name, info)` observes the pipeline (tests
+    trainer is reset to the initial checkpoint). `on_event(name, info)` observes the feed (tests
     inject faults through it): "rollout_submitted" {engine, step, prompts}, "rollout_died" {engine,
-    prompts}, "teacher_submitted" {teacher, replica, step, chunk}, "step_done" {step, metrics}."""
+    prompts}, "teacher_submitted" {teacher, replica, step, call}, "step_done" {step, metrics}."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, export_only: bool = False,
                  overwrite: bool = False, groups: WorkerGroups | None = None,
@@ -156,36 +156,37 @@ class RayController:
         self.rewards = None
         if cfg.loss.task_reward_coef:
             self.rewards = TaskRewards(cfg.data.rewards)
-        pipe = Pipeline(cfg, self.groups, queue, version=state.weight_version, step=state.step,
-                        sampling=sampling_config(cfg), on_event=self.on_event)
+        feed = RolloutFeed(cfg, self.groups, queue, version=state.weight_version, step=state.step,
+                           sampling=sampling_config(cfg), on_event=self.on_event)
         history, ckpt = [], cfg.checkpoint
         while state.step < cfg.run.steps:
             step = state.step
-            metrics, records = self._step(pipe, queue, state)
+            metrics, records = self._step(feed, queue, state)
             samples_log.write(records)
             log.log(step, metrics)
             history.append({"step": step, **metrics})
             if self.on_event:
                 self.on_event("step_done", {"step": step, "metrics": metrics})
             if ckpt.save_every and state.step % ckpt.save_every == 0:
-                self._save(pipe, queue, state)
+                self._save(feed, queue, state)
         if ckpt.save_at_end and history and (not ckpt.save_every or state.step % ckpt.save_every):
-            self._save(pipe, queue, state)
+            self._save(feed, queue, state)
         log.close()
         return history
 
-    def _save(self, pipe: Pipeline, queue: PromptQueue, state: TrainerState) -> None:
+    def _save(self, feed: RolloutFeed, queue: PromptQueue, state: TrainerState) -> None:
         state.sampler = queue.state_dict()  # the sampler position and every prompt not yet trained
         refs = {f"trainer rank {r}": t.save.remote(self.cfg.run.output_dir, asdict(state), self.config_yaml,
                                                   self.cfg.checkpoint.keep_last)
                 for r, t in enumerate(self.groups.trainers)}
-        self._await_pumping(pipe, refs, "checkpoint")
+        self._await_while_feeding(feed, refs, "checkpoint")
 
-    def _await_pumping(self, pipe: Pipeline, named: dict, what: str, timeout_s: float | None = None) -> dict:
-        """Wait for named calls while the pipeline keeps generating and scoring."""
+    def _await_while_feeding(self, feed: RolloutFeed, named: dict, what: str,
+                             timeout_s: float | None = None) -> dict:
+        """Wait for named calls while the feed keeps generating and scoring."""
         gather = Gather(named, what, timeout_s or self.cfg.controller.call_timeout_s)
         while not gather.done():
-            gather.take(pipe.pump(also=gather.pending, timeout=min(1.0, gather.remaining())))
+            gather.take(feed.process_finished(also=gather.pending, timeout=min(1.0, gather.remaining())))
         try:
             return gather.result()
         except ActorLost as err:
@@ -194,69 +195,69 @@ class RayController:
             raise
 
     # ---- one step --------------------------------------------------------------------------
-    def _step(self, pipe: Pipeline, queue: PromptQueue,
+    def _step(self, feed: RolloutFeed, queue: PromptQueue,
               state: TrainerState) -> tuple[dict[str, float], list[SampleRecord]]:
         cfg, start = self.cfg, time.perf_counter()
-        step, version_trained = state.step, pipe.version
-        work = pipe.take_batch(step)
+        step, version_trained = state.step, feed.version
+        work = feed.take_batch(step)
         colocated = self.groups.placement.kind == "colocated"
         if colocated:  # the engines leave the shared devices to the trainer until the next sync
             self._on_engines("sleep")
-        batch = self._batch(pipe, work, step)
+        batch = self._batch(feed, work, step)
         extra = {}
         if self.rewards is not None:
             scored = stages.ScoredBatch(samples=batch.samples, teacher=[None] * len(batch.samples))
             extra = stages.reward_stage(scored, self.rewards, self.tokenizer)
             batch.task_advantages = scored.task_advantages
-        timings = self._stage_seconds(pipe, work)
+        timings = self._stage_seconds(feed, work)
         refs = {f"trainer rank {r}": t.train.remote(batch) for r, t in enumerate(self.groups.trainers)}
-        pipe.progress_since_sync += 1
-        done = self._await_pumping(pipe, refs, f"train step {step}")
+        feed.steps_since_sync += 1
+        done = self._await_while_feeding(feed, refs, f"train step {step}")
         replies = [done[name] for name in refs]  # rank 0 first: it reports the batch's metrics
-        pipe.handed_over(work)
+        feed.mark_trained(work)
         queue.trained([g.job for g in work.groups])
         records = self._records(step, work, version_trained)
         state.step += 1
         sync_s = 0.0
         if colocated:
             self._on_engines("wake_up")
-        if state.step % cfg.weight_sync.every_steps == 0 and pipe.progress_since_sync:
-            sync_s = self._sync(pipe, pipe.version + 1)
-        state.weight_version = pipe.version
-        pipe.progress = state.step
-        pipe.release_deferred()
+        if state.step % cfg.weight_sync.every_steps == 0 and feed.steps_since_sync:
+            sync_s = self._sync(feed, feed.version + 1)
+        state.weight_version = feed.version
+        feed.steps_trained = state.step
+        feed.release_deferred()
         step_s = time.perf_counter() - start
         train_s = max(r.seconds for r in replies)
         # trainer rank 0's reply carries the optimizer step's metrics and the rollout metrics
         metrics = step_metrics({**replies[0].metrics, **extra, **timings}, train_s=train_s, sync_s=sync_s,
-                               step_s=step_s, weight_version=pipe.version)
+                               step_s=step_s, weight_version=feed.version)
         trained = [r for r in records if not r.dropped]
         lags = [r.version_trained - r.version_generated for r in trained]
         busy = timings["timing/rollout"] + timings["timing/teacher"] + train_s + sync_s
         metrics.update({  # what only the overlapped schedules have
             "timing/teacher_fetch": max(r.fetch_seconds for r in replies),
             "timing/wait_rollout": work.wait_rollout, "timing/wait_teacher": work.wait_teacher,
-            "timing/wait_train": pipe.take_idle_seconds(),
+            "timing/wait_train": feed.take_idle_seconds(),
             "perf/overlap": 1.0 - step_s / busy if busy > 0 else 0.0,
             "async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags)),
             "async/dropped": float(len(records) - len(trained)),
-            "faults/requeued_prompts": float(pipe.requeued),
+            "faults/requeued_prompts": float(feed.requeued),
             "faults/rollout_restarts": float(self.groups.restarts["rollout"]),
             "faults/teacher_restarts": float(self.groups.restarts["teacher"]),
         })
         return metrics, records
 
-    def _batch(self, pipe: Pipeline, work: StepWork, step: int) -> TrainBatch:
+    def _batch(self, feed: RolloutFeed, work: StepWork, step: int) -> TrainBatch:
         samples, rows, stale = [], [], []
         for position, (group, is_stale) in enumerate(zip(work.groups, work.stale)):
             samples += [replace(s, group_id=position) for s in group.samples]
             rows += group.teacher_rows
             stale += [is_stale] * len(group.samples)
-        chunks = {c: pipe.chunks[c].rows for c in {r[0] for r in rows if r is not None}}
-        return TrainBatch(step=step, samples=samples, rows=rows, chunks=chunks, stale=stale,
+        calls = {c: feed.teacher_calls[c].rows for c in {r[0] for r in rows if r is not None}}
+        return TrainBatch(step=step, samples=samples, rows=rows, teacher_calls=calls, stale=stale,
                           is_truncation=self.cfg.run.is_truncation)
 
-    def _stage_seconds(self, pipe: Pipeline, work: StepWork) -> dict[str, float]:
+    def _stage_seconds(self, feed: RolloutFeed, work: StepWork) -> dict[str, float]:
         """This batch's rollout and teacher seconds, per engine / per teacher actor (their shares of
         the calls that served it), for `perf/overlap` = 1 - step / (sum of the stages)."""
         rollout = sum(g.seconds for g in work.groups) / len(self.groups.rollouts)
@@ -264,8 +265,8 @@ class RayController:
         for g in work.groups:
             for r in g.teacher_rows:
                 if r is not None:
-                    chunk = pipe.chunks[r[0]]
-                    teacher += (chunk.seconds or 0.0) / len(chunk.members)
+                    call = feed.teacher_calls[r[0]]
+                    teacher += (call.seconds or 0.0) / len(call.members)
         actors = sum(len(a) for a in self.groups.teachers.values())
         return {"timing/rollout": rollout, "timing/teacher": teacher / max(actors, 1)}
 
@@ -276,7 +277,7 @@ class RayController:
                   for g, reason in [*((g, None) for g in work.groups), *work.dropped]]
         return sample_records(step, groups, version_trained, self.cfg.teacher.teachers)
 
-    def _sync(self, pipe: Pipeline, version: int) -> float:
+    def _sync(self, feed: RolloutFeed, version: int) -> float:
         """Weights to every engine as `version`, generation going on meanwhile (async). A dead engine
         is brought back and the sync done again; a dead trainer rank stops the run."""
         start = time.perf_counter()
@@ -285,7 +286,7 @@ class RayController:
             sync = self.groups.start_sync(version, abort)
             if self.on_event:
                 self.on_event("sync_started", {"version": version})
-            self._await_pumping(pipe, sync,
+            self._await_while_feeding(feed, sync,
                                 f"weight sync v{version} over {self.groups.describe_groups()}",
                                 timeout_s=2 * self.cfg.controller.sync_timeout_s)
         except (ActorLost, StageFailed) as err:
@@ -298,7 +299,7 @@ class RayController:
             except ActorLost as lost:
                 raise self._trainer_died(lost) from lost
             self.groups.rebuild_weight_sync(version)
-        pipe.version, pipe.progress_since_sync = version, 0
+        feed.version, feed.steps_since_sync = version, 0
         return time.perf_counter() - start
 
 

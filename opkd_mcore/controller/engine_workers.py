@@ -27,7 +27,7 @@ from opkd_mcore.rollout.vllm_rollout import sample_seed
 from opkd_mcore.train.components import build_rollout
 from opkd_mcore.train.teacher_setup import build_scoring_teacher
 from opkd_mcore.weight_sync.transport import TransportConfig
-from opkd_mcore.weight_sync.vllm_handle import VllmSyncHandle
+from opkd_mcore.weight_sync.vllm_handle import VllmReceiverHandle
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class RolloutEngineWorker:
         self.engine = build_rollout(cfg, tensor_parallel_size=cfg.controller.rollout_tp,
                                     sleep_mode=cfg.controller.placement == "colocated")
         # the rollout salts its prefix cache with the weight version: no reset per sync
-        self.handle = VllmSyncHandle(self.engine.llm, reset_prefix_cache=False)
+        self.handle = VllmReceiverHandle(self.engine.llm, reset_prefix_cache=False)
         self._gate = threading.Condition()
         self._requests = 0  # generate calls in flight
         self._updating = False  # a weight update or group join holds new generate calls back

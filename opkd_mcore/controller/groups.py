@@ -4,7 +4,7 @@ Every multi-party step is started for all its members first and then awaited tog
 deadline and an error naming whoever did not finish: the trainer ranks' process group (rank 0
 listens on an OS-given port, then all ranks join), and the weight-sync groups (stage owners bind
 their ports, then the stage owners and every rollout engine's workers join in one call). Nothing is
-left un-awaited, so the init race of seed 003 cannot happen.
+left un-awaited, so no member can try to join a group whose store is not listening yet.
 
 Rollout and teacher actors restart on death (`controller.max_restarts`, Ray's actor restarts); the
 driver re-queues their in-flight work and calls `recover_rollout`, which rebuilds the weight-sync

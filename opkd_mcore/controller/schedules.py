@@ -1,7 +1,7 @@
 """The schedules: which generations and teacher calls run while the trainer works.
 
-The driver keeps every rollout and teacher call in flight in a `Pipeline` and reacts to whichever
-finishes first (`ray.wait`); a policy decides what may start:
+The driver's `RolloutFeed` keeps every rollout and teacher call in flight, reacts to whichever
+finishes first (`ray.wait`) and hands the trainer its batches; a policy decides what may start:
 
     sync          batch j is generated once the weights of step j-1 are in the engines (in order)
     one_step_off  batch j+1 is generated (weights of step j) while batch j is scored and trained;
@@ -14,7 +14,7 @@ finishes first (`ray.wait`); a policy decides what may start:
                   prompt generated again, or kept with a truncated importance weight
 
 Teacher rows are never fetched here: a teacher call returns (rows, seconds) as two objects, the
-driver reads the seconds and hands the rows' reference to the trainer ranks. Chunks hold
+driver reads the seconds and hands the rows' reference to the trainer ranks. A teacher call scores
 `parallel.micro_batch_size` samples, so a rank pulls rows per micro-batch.
 """
 from __future__ import annotations
@@ -38,13 +38,13 @@ DEPTH = {"sync": 0, "one_step_off": 1, "two_step_off": 2}
 
 
 @dataclass
-class GenCall:
+class RolloutCall:
     engine: int
     jobs: list[PromptJob]
 
 
 @dataclass
-class Chunk:
+class TeacherCall:
     """One teacher call: samples (group, sample index) scored together."""
 
     id: int
@@ -53,7 +53,7 @@ class Chunk:
     replica: int = 0
     rows: ObjectRef | None = None  # the call's list[TeacherOutput] in the object store
     seconds: float | None = None  # set when the call has returned
-    users: int = 0  # groups not yet trained or dropped that read this chunk
+    users: int = 0  # groups not yet trained or dropped that read this call's rows
 
 
 @dataclass
@@ -67,8 +67,9 @@ class StepWork:
     wait_teacher: float = 0.0
 
 
-class Pipeline:
-    """Rollout and teacher calls in flight, the generated groups, and the engines' weight version."""
+class RolloutFeed:
+    """Feeds the trainer scored groups: the rollout and teacher calls in flight, the generated
+    groups, and the engines' weight version."""
 
     def __init__(self, cfg, groups, queue, *, version: int, step: int, sampling, on_event=None):
         import ray
@@ -77,20 +78,20 @@ class Pipeline:
         self.cfg, self.groups, self.queue, self.sampling = cfg, groups, queue, sampling
         self.on_event = on_event or (lambda name, info: None)
         self.version = version  # weights the engines hold
-        self.progress = step  # optimizer steps trained (and synced when due)
-        self.handed = step * cfg.rollout.prompts_per_step  # prompts given to the trainer (async bound)
-        self.gens: dict[ObjectRef, GenCall] = {}  # generate calls in flight
-        self.calls: dict[ObjectRef, Chunk] = {}  # teacher calls in flight, by their seconds' reference
-        self.chunks: dict[int, Chunk] = {}
-        self.done: dict[tuple, GroupResult] = {}  # generated, not yet trained, in completion order
+        self.steps_trained = step  # optimizer steps trained (and synced when due)
+        self.prompts_trained = step * cfg.rollout.prompts_per_step  # (the async bound)
+        self.rollout_calls: dict[ObjectRef, RolloutCall] = {}  # generate calls in flight
+        self.teacher_in_flight: dict[ObjectRef, TeacherCall] = {}  # by their seconds' reference, until it returns
+        self.teacher_calls: dict[int, TeacherCall] = {}  # id -> call, until no group reads its rows
+        self.generated: dict[tuple, GroupResult] = {}  # generated, not yet trained, in completion order
         self.deferred: list[GroupResult] = []  # generated, teacher call not yet allowed
         self.in_flight = 0  # prompts generating or generated and not handed to the trainer
         self.busy = [0] * len(groups.rollouts)
         self.idle_since = [time.perf_counter()] * len(groups.rollouts)
         self.idle_s = 0.0
-        self.next_chunk = 0
+        self.next_call_id = 0
         self.requeued = 0
-        self.progress_since_sync = 0  # optimizer steps submitted since the engines' weights were synced
+        self.steps_since_sync = 0  # optimizer steps submitted since the engines' weights were synced
         self.step = step
         self.policy = AsyncPolicy() if cfg.run.schedule == "async" else BatchPolicy(cfg.run.schedule)
         names = [t.name for t in cfg.teacher.teachers if not t.data_sources]
@@ -103,7 +104,7 @@ class Pipeline:
 
     def submit(self, engine: int, jobs: list[PromptJob]) -> None:
         ref = self.groups.rollouts[engine].generate.remote(jobs, self.sampling, self.segment_tokens())
-        self.gens[ref] = GenCall(engine, jobs)
+        self.rollout_calls[ref] = RolloutCall(engine, jobs)
         if not self.busy[engine]:
             self.idle_s += (time.perf_counter() - self.idle_since[engine]) / len(self.busy)
         self.busy[engine] += 1
@@ -119,7 +120,7 @@ class Pipeline:
             self.idle_since[engine] = time.perf_counter()
 
     def _on_generated(self, ref) -> None:
-        call = self.gens.pop(ref)
+        call = self.rollout_calls.pop(ref)
         self._engine_done(call.engine)
         try:
             reply = self.ray.get(ref)
@@ -131,23 +132,23 @@ class Pipeline:
         share = reply.seconds / len(call.jobs)
         for job, samples, versions in zip(call.jobs, reply.samples, reply.token_versions):
             group = GroupResult(job=job, samples=samples, token_versions=versions, seconds=share)
-            self.done[job.key] = group
+            self.generated[job.key] = group
             if self.policy.may_score(self, job):
                 self._score([group])
             else:
                 group.deferred = True
                 self.deferred.append(group)
 
-    def _engine_died(self, call: GenCall, err) -> None:
+    def _engine_died(self, call: RolloutCall, err) -> None:
         """Re-queue the dead engine's prompts, bring it back with the current weights, go on."""
         logger.warning("controller: rollout engine %d died with %d prompts in flight (%s); re-queued",
                        call.engine, len(call.jobs), type(err).__name__)
         self.requeued += len(call.jobs)
         self.on_event("rollout_died", {"engine": call.engine, "prompts": [j.prompt_index for j in call.jobs]})
-        ahead = self.progress_since_sync > 0
+        ahead = self.steps_since_sync > 0
         self.version = self.groups.recover_rollout(call.engine, ahead, self.version)
         if ahead:
-            self.progress_since_sync = 0
+            self.steps_since_sync = 0
         self.policy.requeue(self, call.jobs)
 
     # ---- teachers --------------------------------------------------------------------------
@@ -172,43 +173,43 @@ class Pipeline:
         size = self.cfg.parallel.micro_batch_size
         for name, members in by_teacher.items():
             for s in range(0, len(members), size):
-                chunk = Chunk(id=self.next_chunk, teacher=name, members=members[s:s + size])
-                self.next_chunk += 1
-                self.chunks[chunk.id] = chunk
-                for row, (g, k) in enumerate(chunk.members):
-                    g.teacher_rows[k] = (chunk.id, row)
-                for g in _distinct(chunk.members):
-                    g.pending_chunks += 1
-                    chunk.users += 1
-                self._call_teacher(chunk)
+                call = TeacherCall(id=self.next_call_id, teacher=name, members=members[s:s + size])
+                self.next_call_id += 1
+                self.teacher_calls[call.id] = call
+                for row, (g, k) in enumerate(call.members):
+                    g.teacher_rows[k] = (call.id, row)
+                for g in _distinct(call.members):
+                    g.pending_teacher_calls += 1
+                    call.users += 1
+                self._call_teacher(call)
 
-    def _call_teacher(self, chunk: Chunk) -> None:
-        replicas = self.groups.teachers[chunk.teacher]
+    def _call_teacher(self, call: TeacherCall) -> None:
+        replicas = self.groups.teachers[call.teacher]
         load = defaultdict(int)
-        for c in self.calls.values():
-            if c.teacher == chunk.teacher:
+        for c in self.teacher_in_flight.values():
+            if c.teacher == call.teacher:
                 load[c.replica] += 1
-        chunk.replica = min(range(len(replicas)), key=lambda i: load[i])
-        sequences = [g.samples[k].sequence for g, k in chunk.members]
-        chunk.rows, seconds = replicas[chunk.replica].score.options(num_returns=2).remote(sequences)
-        self.calls[seconds] = chunk
-        self.on_event("teacher_submitted", {"teacher": chunk.teacher, "replica": chunk.replica,
-                                            "step": self.step, "chunk": chunk.id})
+        call.replica = min(range(len(replicas)), key=lambda i: load[i])
+        sequences = [g.samples[k].sequence for g, k in call.members]
+        call.rows, seconds = replicas[call.replica].score.options(num_returns=2).remote(sequences)
+        self.teacher_in_flight[seconds] = call
+        self.on_event("teacher_submitted", {"teacher": call.teacher, "replica": call.replica,
+                                            "step": self.step, "call": call.id})
 
     def _on_scored(self, ref) -> None:
-        chunk = self.calls.pop(ref)
+        call = self.teacher_in_flight.pop(ref)
         try:
-            chunk.seconds = self.ray.get(ref)
+            call.seconds = self.ray.get(ref)
         except Exception as err:  # only an actor's death is handled here; the rest is re-raised
             if not is_actor_death(err):
                 raise
-            logger.warning("controller: teacher %s[%d] died scoring chunk %d; re-sent", chunk.teacher,
-                           chunk.replica, chunk.id)
-            self.groups.recover_teacher(chunk.teacher, chunk.replica)
-            self._call_teacher(chunk)
+            logger.warning("controller: teacher %s[%d] died in teacher call %d; re-sent", call.teacher,
+                           call.replica, call.id)
+            self.groups.recover_teacher(call.teacher, call.replica)
+            self._call_teacher(call)
             return
-        for g in _distinct(chunk.members):
-            g.pending_chunks -= 1
+        for g in _distinct(call.members):
+            g.pending_teacher_calls -= 1
 
     def release_deferred(self) -> None:
         ready = [g for g in self.deferred if self.policy.may_score(self, g.job)]
@@ -220,13 +221,13 @@ class Pipeline:
 
     @staticmethod
     def scored(group: GroupResult) -> bool:
-        return not group.deferred and group.pending_chunks == 0
+        return not group.deferred and group.pending_teacher_calls == 0
 
     # ---- the event loop --------------------------------------------------------------------
-    def pump(self, also=(), timeout: float | None = None) -> list:
+    def process_finished(self, also=(), timeout: float | None = None) -> list:
         """Handle every finished call (waiting up to `timeout` for one), start what the schedule
         allows; returns the refs of `also` that are ready."""
-        refs = [*also, *self.gens, *self.calls]
+        refs = [*also, *self.rollout_calls, *self.teacher_in_flight]
         if not refs:
             self.policy.admit(self)
             return []
@@ -234,29 +235,30 @@ class Pipeline:
         if not ready and timeout != 0:
             ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout, fetch_local=False)
         for ref in ready:
-            if ref in self.gens:
+            if ref in self.rollout_calls:
                 self._on_generated(ref)
-            elif ref in self.calls:
+            elif ref in self.teacher_in_flight:
                 self._on_scored(ref)
         self.policy.admit(self)
         return [r for r in ready if r in also]
 
     def wait_until(self, predicate, what: str, timeout_s: float) -> float:
-        """Pump until `predicate()`; returns the seconds waited."""
+        """Process finished calls until `predicate()`; returns the seconds waited."""
         start = time.perf_counter()
         while not predicate():
             if time.perf_counter() - start > timeout_s:
-                raise TimeoutError(f"controller: {what} not done within {timeout_s:.0f} s ({len(self.gens)} "
-                                   f"generate and {len(self.calls)} teacher calls in flight)")
-            self.pump(timeout=1.0)
-            if not (self.gens or self.calls or predicate()):
+                raise TimeoutError(f"controller: {what} not done within {timeout_s:.0f} s "
+                                   f"({len(self.rollout_calls)} generate and {len(self.teacher_in_flight)} "
+                                   "teacher calls in flight)")
+            self.process_finished(timeout=1.0)
+            if not (self.rollout_calls or self.teacher_in_flight or predicate()):
                 raise RuntimeError(f"controller: waiting for {what} with nothing in flight")
         return time.perf_counter() - start
 
     def wait_for(self, ref, what: str, timeout_s: float):
-        """Pump until `ref` (a trainer or sync call) is ready; returns its value."""
+        """Process finished calls until `ref` (a trainer or sync call) is ready; returns its value."""
         start = time.perf_counter()
-        while not self.pump(also=[ref], timeout=1.0):
+        while not self.process_finished(also=[ref], timeout=1.0):
             if time.perf_counter() - start > timeout_s:
                 raise TimeoutError(f"controller: {what} did not return within {timeout_s:.0f} s")
         return self.ray.get(ref)
@@ -267,21 +269,21 @@ class Pipeline:
         self.policy.admit(self)
         return self.policy.take_batch(self, step)
 
-    def forget(self, group: GroupResult) -> None:
-        """A group left the pipeline (trained or dropped): release its teacher chunks."""
-        self.done.pop(group.job.key, None)
+    def release_group(self, group: GroupResult) -> None:
+        """A group left the feed (trained or dropped): release its teacher calls' rows."""
+        self.generated.pop(group.job.key, None)
         self.in_flight -= 1
-        for chunk_id in {r[0] for r in group.teacher_rows if r is not None}:
-            chunk = self.chunks[chunk_id]
-            chunk.users -= 1
-            if chunk.users == 0:  # the trainer has pulled it: the object store may free it
-                del self.chunks[chunk_id]
+        for call_id in {r[0] for r in group.teacher_rows if r is not None}:
+            call = self.teacher_calls[call_id]
+            call.users -= 1
+            if call.users == 0:  # the trainer has pulled it: the object store may free it
+                del self.teacher_calls[call_id]
 
-    def handed_over(self, work: StepWork) -> None:
-        """The groups of `work` went to the trainer."""
+    def mark_trained(self, work: StepWork) -> None:
+        """The groups of `work` were trained: they leave the feed and count against the async bound."""
         for g in work.groups:
-            self.forget(g)
-        self.handed += len(work.groups)
+            self.release_group(g)
+        self.prompts_trained += len(work.groups)
 
     def take_idle_seconds(self) -> float:
         """Engine-idle seconds since the last call (averaged over engines): the rollout waiting."""
@@ -308,39 +310,39 @@ class BatchPolicy:
         self.depth = DEPTH[schedule]
         self.eager_teacher = schedule == "two_step_off"
 
-    def may_score(self, pipe: Pipeline, job: PromptJob) -> bool:
-        return self.eager_teacher or pipe.progress >= job.batch
+    def may_score(self, feed: RolloutFeed, job: PromptJob) -> bool:
+        return self.eager_teacher or feed.steps_trained >= job.batch
 
-    def admit(self, pipe: Pipeline) -> None:
-        steps = pipe.cfg.run.steps
+    def admit(self, feed: RolloutFeed) -> None:
+        steps = feed.cfg.run.steps
         while True:
-            batch = pipe.queue.next_batch_number()
-            if batch >= steps or batch > pipe.progress + self.depth:
+            batch = feed.queue.next_batch_number()
+            if batch >= steps or batch > feed.steps_trained + self.depth:
                 return
-            jobs = pipe.queue.next_batch()
-            pipe.in_flight += len(jobs)
-            self._spread(pipe, jobs)
+            jobs = feed.queue.next_batch()
+            feed.in_flight += len(jobs)
+            self._spread(feed, jobs)
 
     @staticmethod
-    def _spread(pipe: Pipeline, jobs: list[PromptJob]) -> None:
+    def _spread(feed: RolloutFeed, jobs: list[PromptJob]) -> None:
         """Contiguous slices over the engines (seeds are per prompt: the split changes no sample)."""
-        engines = len(pipe.busy)
+        engines = len(feed.busy)
         per = math.ceil(len(jobs) / engines)
         for s in range(0, len(jobs), per):
-            pipe.submit(pipe.least_busy(), jobs[s:s + per])
+            feed.submit(feed.least_busy(), jobs[s:s + per])
 
-    def requeue(self, pipe: Pipeline, jobs: list[PromptJob]) -> None:
-        self._spread(pipe, jobs)  # the same prompts, the same batch: generated again at once
+    def requeue(self, feed: RolloutFeed, jobs: list[PromptJob]) -> None:
+        self._spread(feed, jobs)  # the same prompts, the same batch: generated again at once
 
-    def take_batch(self, pipe: Pipeline, step: int) -> StepWork:
-        keys = [k for k, j in pipe.queue.outstanding.items() if j.batch == step]
-        timeout = pipe.cfg.controller.call_timeout_s
+    def take_batch(self, feed: RolloutFeed, step: int) -> StepWork:
+        keys = [k for k, j in feed.queue.outstanding.items() if j.batch == step]
+        timeout = feed.cfg.controller.call_timeout_s
         work = StepWork(groups=[])
-        work.wait_rollout = pipe.wait_until(lambda: all(k in pipe.done for k in keys),
+        work.wait_rollout = feed.wait_until(lambda: all(k in feed.generated for k in keys),
                                             f"rollout of batch {step}", timeout)
-        groups = sorted((pipe.done[k] for k in keys), key=lambda g: g.job.position)
-        pipe.release_deferred()
-        work.wait_teacher = pipe.wait_until(lambda: all(pipe.scored(g) for g in groups),
+        groups = sorted((feed.generated[k] for k in keys), key=lambda g: g.job.position)
+        feed.release_deferred()
+        work.wait_teacher = feed.wait_until(lambda: all(feed.scored(g) for g in groups),
                                             f"teacher scoring of batch {step}", timeout)
         work.groups, work.stale = groups, [False] * len(groups)
         return work
@@ -349,39 +351,40 @@ class BatchPolicy:
 class AsyncPolicy:
     """Continuous generation into a queue bounded by the staleness bound; batches in completion order."""
 
-    def may_score(self, pipe: Pipeline, job: PromptJob) -> bool:
+    def may_score(self, feed: RolloutFeed, job: PromptJob) -> bool:
         return True
 
-    def admit(self, pipe: Pipeline) -> None:
-        run, size = pipe.cfg.run, pipe.cfg.rollout.prompts_per_step
-        per_call = math.ceil(size / len(pipe.busy))
+    def admit(self, feed: RolloutFeed) -> None:
+        run, size = feed.cfg.run, feed.cfg.rollout.prompts_per_step
+        per_call = math.ceil(size / len(feed.busy))
         while True:
-            engine = pipe.least_busy()
-            if pipe.busy[engine]:
+            engine = feed.least_busy()
+            if feed.busy[engine]:
                 return
-            bound = (pipe.version + run.max_staleness + 1) * size
+            bound = (feed.version + run.max_staleness + 1) * size
             needed = run.steps * size  # never generate past the last step's prompts
-            room = min(bound, needed) - pipe.handed - pipe.in_flight
+            room = min(bound, needed) - feed.prompts_trained - feed.in_flight
             if room <= 0:
                 return
-            jobs = pipe.queue.take(min(per_call, room))
-            pipe.in_flight += len(jobs)
-            pipe.submit(engine, jobs)
+            jobs = feed.queue.take(min(per_call, room))
+            feed.in_flight += len(jobs)
+            feed.submit(engine, jobs)
 
-    def requeue(self, pipe: Pipeline, jobs: list[PromptJob]) -> None:
-        pipe.in_flight -= len(jobs)
-        pipe.queue.requeue(jobs)
+    def requeue(self, feed: RolloutFeed, jobs: list[PromptJob]) -> None:
+        feed.in_flight -= len(jobs)
+        feed.queue.requeue(jobs)
 
-    def take_batch(self, pipe: Pipeline, step: int) -> StepWork:
-        run, size = pipe.cfg.run, pipe.cfg.rollout.prompts_per_step
-        timeout = pipe.cfg.controller.call_timeout_s
+    def take_batch(self, feed: RolloutFeed, step: int) -> StepWork:
+        run, size = feed.cfg.run, feed.cfg.rollout.prompts_per_step
+        timeout = feed.cfg.controller.call_timeout_s
         work = StepWork(groups=[])
         start = time.perf_counter()
         while len(work.groups) < size:
-            pipe.wait_until(lambda: len(pipe.done) > len(work.groups), f"rollout for step {step}", timeout)
+            feed.wait_until(lambda: len(feed.generated) > len(work.groups), f"rollout for step {step}",
+                            timeout)
             taken = {g.job.key for g in work.groups}
-            group = next(g for k, g in pipe.done.items() if k not in taken)
-            lag = pipe.version - group.version
+            group = next(g for k, g in feed.generated.items() if k not in taken)
+            lag = feed.version - group.version
             if lag <= run.max_staleness:
                 work.groups.append(group)
                 work.stale.append(False)
@@ -389,15 +392,15 @@ class AsyncPolicy:
                 work.groups.append(group)
                 work.stale.append(True)
             else:
-                reason = (f"stale: generated with v{group.version}, trainer at v{pipe.version} "
+                reason = (f"stale: generated with v{group.version}, trainer at v{feed.version} "
                           f"(run.max_staleness {run.max_staleness})")
                 work.dropped.append((group, reason))
                 # generated again, before anything new, and at once: while it counted as in flight
                 # the staleness bound could leave no room to generate the groups this step still needs
-                pipe.forget(group)
-                pipe.requeued += 1
-                pipe.queue.requeue([group.job])
+                feed.release_group(group)
+                feed.requeued += 1
+                feed.queue.requeue([group.job])
         work.wait_rollout = time.perf_counter() - start
-        work.wait_teacher = pipe.wait_until(lambda: all(pipe.scored(g) for g in work.groups),
+        work.wait_teacher = feed.wait_until(lambda: all(feed.scored(g) for g in work.groups),
                                             f"teacher scoring for step {step}", timeout)
         return work

@@ -27,9 +27,15 @@ from opkd_mcore.platform.tcp_store import serve_store
 from opkd_mcore.rollout import Sample
 from opkd_mcore.train import components as c
 from opkd_mcore.train import stages
-from opkd_mcore.train.checkpoint import TrainerState, load_checkpoint, require_checkpoint, save_checkpoint
+from opkd_mcore.train.checkpoint import (
+    EXPORT_DIR,
+    TrainerState,
+    load_checkpoint,
+    require_checkpoint,
+    save_checkpoint,
+)
 from opkd_mcore.train.step_report import rollout_metrics
-from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
+from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport, SyncGroupsConfig
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -43,10 +49,10 @@ class TrainBatch:
 
     step: int
     samples: list[Sample]  # prompt-major; group_id = the prompt's place in this batch
-    # per sample: (chunk id, row in chunk), or None when the teacher scores in the step
+    # per sample: (teacher call id, row in its rows), or None when the teacher scores in the step
     rows: list[tuple[int, int] | None]
-    # chunk id -> the reference of the chunk's list[TeacherOutput] in the object store
-    chunks: dict[int, ObjectRef] = field(default_factory=dict)
+    # teacher call id -> the reference of the call's list[TeacherOutput] in the object store
+    teacher_calls: dict[int, ObjectRef] = field(default_factory=dict)
     stale: list[bool] = field(default_factory=list)  # per sample: past run.max_staleness (truncated_is)
     task_advantages: list[float] | None = None  # per sample (GRPO), computed by the driver
     is_truncation: float = 2.0  # cap of the importance weights of stale samples (run.is_truncation)
@@ -138,7 +144,7 @@ class TrainerWorker:
                                   num_receivers=num_receivers, timeout_s=ctl.sync_timeout_s,
                                   bucket_bytes=ws.bucket_mb << 20, transport=transport,
                                   tp_export=ws.tp_export, high_priority=ws.high_priority_stream)
-        self.weight_sync = MegatronWeightSync(self.chunks, groups)
+        self.weight_sync = MegatronWeightExport(self.chunks, groups)
         return [dataclasses.asdict(g) for g in self.weight_sync.bind()]
 
     def connect_weight_sync(self) -> None:
@@ -163,7 +169,8 @@ class TrainerWorker:
         return time.perf_counter() - start
 
     def close_weight_sync(self, abort: bool = False) -> None:
-        """Leave the weight-sync group; `abort` when an engine of it is gone (see `MegatronWeightSync.close`).
+        """Leave the weight-sync group; `abort` when an engine of it is gone (see
+        `MegatronWeightExport.close`).
         The driver aborts from the actor's control thread while `sync_weights` may still run here."""
         weight_sync, self.weight_sync = self.weight_sync, None
         if weight_sync is not None:
@@ -187,11 +194,11 @@ class TrainerWorker:
         start = time.perf_counter()
         rows = [None] * len(batch.samples)
         needed = [i for i in self._rows_needed(batch.samples) if batch.rows[i] is not None]
-        chunk_ids = sorted({batch.rows[i][0] for i in needed})
-        fetched = dict(zip(chunk_ids, ray.get([batch.chunks[c] for c in chunk_ids])))
+        call_ids = sorted({batch.rows[i][0] for i in needed})
+        fetched = dict(zip(call_ids, ray.get([batch.teacher_calls[c] for c in call_ids])))
         for i in needed:
-            chunk, row = batch.rows[i]
-            rows[i] = fetched[chunk][row]
+            call, row = batch.rows[i]
+            rows[i] = fetched[call][row]
         fetch_s = time.perf_counter() - start
         scored = stages.ScoredBatch(samples=batch.samples, teacher=rows,
                                     task_advantages=batch.task_advantages)
@@ -214,7 +221,7 @@ class TrainerWorker:
         return dataclasses.asdict(load_checkpoint(require_checkpoint(out), self.engine))
 
     def export_hf(self, out: str) -> None:
-        save_hf_checkpoint(self.chunks, os.path.join(out, "student_hf"), src_hf_dir=self.cfg.model.student)
+        save_hf_checkpoint(self.chunks, os.path.join(out, EXPORT_DIR), src_hf_dir=self.cfg.model.student)
 
     def shutdown(self) -> None:
         self.close_weight_sync()

@@ -34,6 +34,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from opkd_kernels.linear_kd_common import PAD_LOGIT
 from opkd_mcore import platform
 from opkd_mcore.config.schema import OptimSection
 from opkd_mcore.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
@@ -46,10 +47,6 @@ from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, Malfo
 from opkd_mcore.models.builder import layout_of
 
 logger = logging.getLogger(__name__)
-
-# Logit put on padded vocabulary columns: exp() underflows to exactly 0 in every float dtype, yet it
-# stays finite after division by any sane temperature, so 0 * log-terms never become NaN.
-PADDED_VOCAB_LOGIT = -1.0e4
 
 LossFn = Callable[[torch.Tensor, PackedBatch], "tuple[torch.Tensor, dict[str, torch.Tensor | float]]"]
 
@@ -146,7 +143,7 @@ class MegatronEngine:
         real = vocab_size - ps.get_tensor_model_parallel_rank() * width
         if real < width:
             with torch.no_grad():
-                logits_local[..., max(real, 0):].fill_(PADDED_VOCAB_LOGIT)
+                logits_local[..., max(real, 0):].fill_(PAD_LOGIT)
         return logits_local
 
     @staticmethod

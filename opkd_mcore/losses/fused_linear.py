@@ -31,6 +31,7 @@ import torch
 from opkd_kernels import cpu_backend
 from opkd_kernels.fused_kd import COVERED_DTYPES, KdSpec
 from opkd_kernels.fused_linear_kd import fused_linear_kd_loss
+from opkd_kernels.linear_kd_common import PAD_LOGIT
 from opkd_kernels.linear_kd_rows import check_row_weights, rows_linear_kd_loss
 from opkd_mcore.losses import validation
 from opkd_mcore.losses import vocab_parallel as vp
@@ -40,7 +41,6 @@ from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, TopKT
 from opkd_mcore.platform import device as platform_device
 
 IMPLS = ("auto", "reference", "fused", "triton", "cpp", "torch")
-PADDED_LOGIT = -1.0e4   # = opkd_kernels.linear_kd_common.PAD_LOGIT = engine.megatron_engine.PADDED_VOCAB_LOGIT
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _masked_logits(x, w, vocab_end, tp_group):
     local_end = _vocab_end(vocab_end, w.shape[0], tp_group)
     if local_end is not None and local_end < w.shape[0]:
         with torch.no_grad():   # as the trainer masks materialised logits: constants, in place
-            z[:, local_end:] = PADDED_LOGIT
+            z[:, local_end:] = PAD_LOGIT
     return z
 
 

@@ -19,6 +19,15 @@ Every supported objective has a gradient w.r.t. z = logits / T of the form
 - raw (forward KL only): L = sum_S p (log p - log q); coef = -p, a_full = m_p.
 - coverage: c * (-log m_q); coef -= c * Q, a_full += c.
 
+Why a second implementation of the sparse objective exists (`opkd_kernels.sparse_objective`, the
+fused path's): this reference path holds the shard's logits, so it takes the log-partition off S
+exactly (one masked logsumexp: the tail masses 1 - m_q and, for a dense teacher, 1 - m_p without
+cancellation) and writes the analytic coefficients above in the logits' compute dtype (float64 for
+float64 logits). The fused kernels never hold the logits, only the student's values at S and its
+full log-partition, so they form the tail as 1 - exp(lse_S - lse) in float64 and take the gradient
+w.r.t. those K + 1 values by float64 autograd. The same objective with the same teacher tail floor
+(that module's); both are tested against `tests/losses_reference.py`.
+
 Shape legend: N tokens, V_local vocab entries on this rank, C support ids per token.
 """
 from __future__ import annotations
@@ -28,15 +37,13 @@ from typing import NamedTuple
 
 import torch
 
+from opkd_kernels.sparse_objective import TEACHER_TAIL_FLOOR
 from opkd_mcore.losses import vocab_parallel as vp
 from opkd_mcore.losses.divergences import divergence_grad, divergence_terms, weighted_log_ratio
 from opkd_mcore.losses.full_vocab import compute_dtype, global_log_softmax_stats
 from opkd_mcore.losses.teacher_outputs import PAD_ID, TopKTeacher
 
 MASSES = ("renorm", "tail", "raw")
-# The teacher's tail mass is floored so that reverse KL / JSD on a tail bucket stays finite when
-# the teacher put (numerically) all its mass on S; 1e-12 is far below any mass that matters.
-TEACHER_TAIL_FLOOR = 1e-12
 NEG_INF = float("-inf")
 
 

@@ -32,9 +32,9 @@ from opkd_mcore.train.teacher_setup import (
     in_step_endpoint,
     with_hidden_teacher_head,
 )
-from opkd_mcore.weight_sync.engine_link import EngineWeightSync
-from opkd_mcore.weight_sync.megatron_source import MegatronWeightSync, SyncGroupsConfig
-from opkd_mcore.weight_sync.vllm_handle import RECEIVER_CLS, VllmSyncHandle
+from opkd_mcore.weight_sync.engine_link import SpmdWeightSync
+from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport, SyncGroupsConfig
+from opkd_mcore.weight_sync.vllm_handle import RECEIVER_CLS, VllmReceiverHandle
 
 logger = logging.getLogger(__name__)
 
@@ -141,38 +141,22 @@ def colocated_transport(name: str, device: str | None) -> str:
     return "group" if is_cpu(device) else "colocated_ipc"
 
 
-class WeightSyncer:
-    """Student (Megatron, every rank) -> rollout engine (vLLM on rank 0), over per-stage groups;
-    the rollout engine is paused while its weights change and then carries the new version."""
-
-    def __init__(self, chunks, rollout, cfg: TrainConfig, port: int | None = None):
-        # a wanted port (moved if taken) or 0: stage owners bind a free port and tell the engine
-        port = port or int(os.environ.get("OPKD_SYNC_PORT", "0"))
-        groups_cfg = SyncGroupsConfig(host=cfg.weight_sync.host, base_port=port,
-                                      bucket_bytes=cfg.weight_sync.bucket_mb << 20,
-                                      transport=colocated_transport(cfg.weight_sync.transport, cfg.run.device),
-                                      tp_export=cfg.weight_sync.tp_export,
-                                      high_priority=cfg.weight_sync.high_priority_stream)
-        self.rollout = rollout
-        self.link = EngineWeightSync(MegatronWeightSync(chunks, groups_cfg),
-                                     # the rollout salts its prefix cache with the weight version
-                                     VllmSyncHandle(rollout.llm, reset_prefix_cache=False)
-                                     if rollout is not None else None)
-        self.link.connect()
-
-    def sync(self, version: int) -> None:
-        if self.rollout is None:
-            self.link.sync(version)
-            return
-        self.rollout.pause()
-        try:
-            self.link.sync(version)  # the engine's own version stamp travels with the receive
-            self.rollout.set_weight_version(version, engine_stamped=True)
-        finally:
-            self.rollout.resume()
-
-    def close(self) -> None:
-        self.link.close()
+def build_weight_sync(chunks, rollout: VllmRollout | None, cfg: TrainConfig,
+                      port: int | None = None) -> SpmdWeightSync:
+    """The connected weight sync of the torchrun layout: student (Megatron, every rank) -> rollout
+    engine (vLLM on rank 0, `rollout` there, None elsewhere), over per-stage groups."""
+    # a wanted port (moved if taken) or 0: stage owners bind a free port and tell the engine
+    port = port or int(os.environ.get("OPKD_SYNC_PORT", "0"))
+    groups_cfg = SyncGroupsConfig(host=cfg.weight_sync.host, base_port=port,
+                                  bucket_bytes=cfg.weight_sync.bucket_mb << 20,
+                                  transport=colocated_transport(cfg.weight_sync.transport, cfg.run.device),
+                                  tp_export=cfg.weight_sync.tp_export,
+                                  high_priority=cfg.weight_sync.high_priority_stream)
+    # the rollout salts its prefix cache with the weight version: no reset per sync
+    handle = VllmReceiverHandle(rollout.llm, reset_prefix_cache=False) if rollout is not None else None
+    sync = SpmdWeightSync(MegatronWeightExport(chunks, groups_cfg), handle, rollout)
+    sync.connect()
+    return sync
 
 
 def build_trainer_rank(cfg: TrainConfig):
@@ -229,7 +213,7 @@ def build_run(cfg: TrainConfig, *, resume: bool = False):
     teacher = build_scoring_teacher(cfg, student_vocab_size(cfg)) if is_rank0() else None
     init_distributed(cfg)
     engine, chunks, shard, tp_group = build_trainer_rank(cfg)
-    syncer = WeightSyncer(chunks, rollout, cfg)
+    syncer = build_weight_sync(chunks, rollout, cfg)
     sampler = PromptSampler(len(train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle)
     run = DistillationRun(cfg=cfg, engine=engine, chunks=chunks, rollout=rollout, teacher=teacher,

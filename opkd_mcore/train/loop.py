@@ -34,11 +34,11 @@ from opkd_mcore.train.step_report import (
     step_metrics,
 )
 from opkd_mcore.train.teacher_setup import route_data
+from opkd_mcore.weight_sync.engine_link import SpmdWeightSync
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from opkd_mcore.train.components import WeightSyncer  # it builds this class: a runtime cycle
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class DistillationRun:
     chunks: list[torch.nn.Module]  # the student's Megatron chunks on this rank
     rollout: VllmRollout | None
     teacher: SampleScorer | None  # None also when the teacher runs inside the student's step
-    syncer: WeightSyncer
+    syncer: SpmdWeightSync
     tokenizer: PreTrainedTokenizerBase
     dataset: PromptDataset
     sampler: PromptSampler

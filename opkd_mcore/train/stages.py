@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from opkd_kernels.linear_kd_common import PAD_LOGIT
 from opkd_mcore.config.schema import ParallelSection
 from opkd_mcore.data.rewards import TaskRewards, group_advantages
 from opkd_mcore.engine.megatron_engine import MegatronEngine
@@ -30,11 +31,11 @@ from opkd_mcore.losses.teacher_outputs import PAD_ID, HiddenTeacher
 from opkd_mcore.rollout import Sample, SamplingConfig, VllmRollout
 from opkd_mcore.teacher.base import SampleScorer, TeacherOutput
 from opkd_mcore.train.objective import StepCounts, make_loss_fn
+from opkd_mcore.weight_sync.engine_link import SpmdWeightSync
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from opkd_mcore.train.components import WeightSyncer  # it imports this module: a runtime cycle
 
 
 @dataclass
@@ -127,7 +128,7 @@ def _pad_teacher_rows(out, shard: "ShardLayout"):
     logits = out.logits.float()
     if logits.shape[1] != shard.vocab_local:  # a full-vocabulary teacher: pad the vocabulary, take our shard
         keep = min(logits.shape[1], shard.vocab_size or shard.padded_vocab)
-        full = torch.full((logits.shape[0], shard.padded_vocab), -1.0e4, dtype=logits.dtype)
+        full = torch.full((logits.shape[0], shard.padded_vocab), PAD_LOGIT, dtype=logits.dtype)
         full[:, :keep] = logits[:, :keep]
         logits = full[:, shard.tp_rank * shard.vocab_local:(shard.tp_rank + 1) * shard.vocab_local]
     return DenseTeacher(logits=torch.cat([logits, torch.zeros(1, logits.shape[1])]))
@@ -224,7 +225,7 @@ def train_stage(engine: MegatronEngine, scored: ScoredBatch, plan: LossPlan, par
     return TrainResult(metrics=metrics, seconds=time.perf_counter() - start)
 
 
-def weight_sync_stage(syncer: WeightSyncer, version: int) -> float:
+def weight_sync_stage(syncer: SpmdWeightSync, version: int) -> float:
     """Push the student's weights (as `version`) into the rollout engine; returns seconds taken."""
     start = time.perf_counter()
     syncer.sync(version)

@@ -4,8 +4,8 @@ In vLLM's direct load mode each weight loader copies a slice of the received buc
 one of the engine's tensors, and the plan fixes which tensor lands where in which bucket, so every
 sync repeats the same copies. The loaders are Python: name mapping, QKV / gate-up stacking, a few
 views per tensor, about 50 us of host time per tensor. For a 1.7B model that was ~15 ms per sync
-on the GPU machine, more than its device link needs to move the bytes (9 ms), and the engine's
-device idles meanwhile (docs/benchmarks.md, eighth session).
+on an H100, more than its device link needs to move the bytes (9 ms), and the engine's device
+idles meanwhile.
 
 `CopyRecorder` runs the load once under a dispatch mode that sees every aten op. The record is
 usable only if every op that touches the bucket or the model is a view, a same-shape same-dtype

@@ -1,4 +1,4 @@
-"""Weight sync from a Megatron job: which ranks export, which rank sends what.
+"""Weight sync from a Megatron job (`MegatronWeightExport`): which ranks export, which rank sends what.
 
 The tensors are split into *sources*, one sending rank and one group each: source
 `pp_stage * ep + ep_rank`. Source (s, 0) carries stage s's shared tensors (everything but routed
@@ -31,7 +31,7 @@ from opkd_mcore.platform import current_device
 from opkd_mcore.weight_sync.copy_replay import BucketReplay, ModelStorages, replay_over
 from opkd_mcore.weight_sync.peer_export import TP_EXPORTS, PeerExport
 from opkd_mcore.weight_sync.plan import DEFAULT_BUCKET_BYTES, BucketPlan
-from opkd_mcore.weight_sync.sender import SenderStats, WeightSender
+from opkd_mcore.weight_sync.sender import BucketSender, SenderStats
 from opkd_mcore.weight_sync.transport import TransportConfig, make_transport
 
 logger = logging.getLogger(__name__)
@@ -125,8 +125,11 @@ def _my_parts(meta, stage: int) -> bool:
     return meta.ep_rank == _expert_ranks()[0] and takes_part_in_expert_export()
 
 
-class MegatronWeightSync:
-    """Build once after the model exists; call `sync(version)` after every optimizer step."""
+class MegatronWeightExport:
+    """The trainer's end of the weight sync, on every trainer rank: exports this rank's part of the
+    model (TP / expert-TP gathers, or the peer export) and, on a source's sending rank, streams it
+    through that source's `BucketSender`. Build once after the model exists; `bind()` and
+    `connect()` once, then `sync(version)` after every optimizer step."""
 
     def __init__(self, model_chunks, cfg: SyncGroupsConfig):
         self.model_chunks, self.cfg = model_chunks, cfg
@@ -141,12 +144,12 @@ class MegatronWeightSync:
         self.source = my_source()
         # sources whose export this rank takes part in, in the order the receivers drain them
         self.sources = sorted({source_of(m, self.ep) for m in self.metadata if _my_parts(m, stage)})
-        self.sender: WeightSender | None = None
+        self.sender: BucketSender | None = None
         self._storages = ModelStorages(*model_chunks)  # walks the chunks only when they may have changed
         self._replay: BucketReplay | None = None  # the sender's records of its packs
         if self.source is not None:
             transport = make_transport(cfg.transport, self.groups[self.source], rank=0)
-            self.sender = WeightSender(self.plan, transport, self.source)
+            self.sender = BucketSender(self.plan, transport, self.source)
         self.peer: PeerExport | None = None  # built at the first sync where it applies
         self._peer_checked = False
         self._check_tp_export()

@@ -1,6 +1,6 @@
-"""The sending side: one per pipeline stage, run by that stage's owner rank.
+"""The sending side of the bucket stream: one per source (pipeline stage), run by its owner rank.
 
-`WeightSender(plan, transport, stage).sync(named_tensors, version)` walks the export stream of its
+`BucketSender(plan, transport, stage).sync(named_tensors, version)` walks the export stream of its
 stage, packs tensors into one of two reused flat buffers and broadcasts it. Packing bucket i+1
 overlaps the transfer of bucket i, and a rank never holds more than two buckets. The sender only
 reads the trainer's tensors: a failed sync leaves the trainer's weights untouched.
@@ -46,8 +46,9 @@ class SenderStats:
     buffer_ptrs: list[int] = field(default_factory=list)
 
 
-class WeightSender:
-    """Streams one PP stage's tensors through a connected transport (group rank 0)."""
+class BucketSender:
+    """Packs one source's tensors (a PP stage's, or an EP rank's experts) into buckets and streams
+    them through a connected transport (group rank 0); the receiving end is `BucketReceiver`."""
 
     def __init__(self, plan: BucketPlan, transport: WeightTransport, stage: int = 0):
         """`replay` (set later by the caller, `None` = off): a `BucketReplay` over the storages of

@@ -1,9 +1,11 @@
-"""Driver-side handle on a vLLM engine's weight receiver, and concurrent start of both sides.
+"""`VllmReceiverHandle`: the driver's handle on a vLLM engine's weight receivers, and concurrent
+start of both sides.
 
 Group creation blocks on both sides until the other arrives, so the rollout side's join must
 already be posted to the engine before the trainer side joins in the same process, and both must
 be awaited. `run_concurrently` does that with one timeout and an error that names the side that
-did not finish (the race described in seed 003 cannot happen: nothing is left un-awaited).
+did not finish. Nothing is left un-awaited: a group creation that is not awaited races the other
+side, which may try to connect before the sender's store listens.
 """
 from __future__ import annotations
 
@@ -101,7 +103,7 @@ def _when_all(parts: dict[str, cf.Future], result: Callable[[dict], Any]) -> cf.
     return done
 
 
-class VllmSyncHandle:
+class VllmReceiverHandle:
     """Calls the `VllmWeightReceiver` methods of every worker of one `vllm.LLM`, without blocking.
 
     Every call is posted (`post_engine_call`) under one lock: vLLM's client socket takes one
