@@ -188,7 +188,7 @@ def test_hidden_output_config_rules(models, overrides, match):
     from opkd_mcore.config import ConfigError, load_config
 
     base = [f"model.student={models['student']}", f"teacher.teachers.0.model={models['teacher']}",
-            "teacher.teachers.0.backend=vllm", "loss.support=null"]
+            "teacher.teachers.0.backend=vllm", "loss.support=null", "rollout.max_model_len=64"]
     with pytest.raises(ConfigError, match=match):
         load_config(None, base + overrides)
     load_config(None, base + ["teacher.teachers.0.output=hidden", "loss.fused_lm_head=on"])

@@ -169,7 +169,7 @@ def test_fused_lm_head_config_errors(models, overrides, match):
     from opkd_mcore.config import ConfigError, load_config
 
     base = [f"model.student={models['student']}", f"teacher.teachers.0.model={models['student']}",
-            "teacher.teachers.0.backend=hf", "loss.support=teacher"]
+            "teacher.teachers.0.backend=hf", "loss.support=teacher", "rollout.max_model_len=64"]
     with pytest.raises(ConfigError, match=match):
         load_config(None, base + overrides)
     load_config(None, base + ["loss.fused_lm_head=on"])

@@ -149,7 +149,7 @@ def test_fused_impl_that_cannot_run_is_refused_before_the_run(models):
     from opkd_mcore.train.components import loss_plan
 
     base = [f"model.student={models['student']}", f"teacher.teachers.0.model={models['student']}",
-            "teacher.teachers.0.backend=hf", "loss.support=teacher"]
+            "teacher.teachers.0.backend=hf", "loss.support=teacher", "rollout.max_model_len=64"]
     with pytest.raises(ConfigError, match="^loss.impl: 'triton' cannot run here"):
         loss_plan(load_config(None, base + ["loss.impl=triton"]))  # no GPU, no interpreter
     with pytest.raises(ConfigError, match="^loss.impl: 'cpp'.*policy_gradient"):

@@ -266,7 +266,7 @@ def opkd_overrides(w: Workload, run_dir: str, prompts_path: str, on_gpu: bool) -
            f"parallel.max_tokens_per_micro_batch={w.max_tokens_per_micro_batch}",
            f"parallel.global_batch_size={w.sequences_per_step}", f"optim.lr={_num(w.lr)}",
            f"optim.clip_grad={_num(w.clip_grad)}", f"data.train_path={prompts_path}", "data.shuffle=false",
-           f"run.steps={w.total_steps}", f"run.output_dir={run_dir}", "run.overwrite=true",
+           f"run.steps={w.total_steps}", f"run.output_dir={run_dir}",
            "checkpoint.save_at_end=false", "checkpoint.export_hf_at_end=false", "logging.progress_bar=false"]
     if not on_gpu:  # the CPU build of vLLM: no graph capture; float32 everywhere
         out += ["rollout.enforce_eager=true", "teacher.teachers.0.dtype=float32"]

@@ -182,17 +182,20 @@ def mcore_to_hf_worker(mcore_dir: str, out_dir: str, tp: int, pp: int, vpp: int 
     try:
         chunks = build_model(load_hf_config(hf_src), params_dtype=TORCH_DTYPES[meta["params_dtype"]])
         load_mcore_model(chunks, mcore_dir)
-        mark_output_dir(out_dir, "mcore-to-hf", {"mcore_dir": mcore_dir})
+        # the export is staged next to out_dir and swapped in whole (no half-written output is ever
+        # there), so the marker goes into the finished directory
         save_hf_checkpoint(chunks, out_dir, src_hf_dir=hf_src, max_shard_bytes=max_shard_bytes,
                            progress=is_rank0())
+        mark_output_dir(out_dir, "mcore-to-hf", {"mcore_dir": mcore_dir})
     finally:
         destroy_parallel()
 
 
 # ----------------------------------------------------------------------------- checks + launching
 def mark_output_dir(out_dir: str, command: str, inputs: dict[str, str]) -> None:
-    """Collective: rank 0 creates `out_dir` with this tool's marker before any rank writes data into
-    it, so that `--force` may replace a conversion that died half-way."""
+    """Collective: rank 0 writes this tool's marker into `out_dir` (creating it), which `--force`
+    looks for. hf-to-mcore marks before any rank writes data, so a conversion that died half-way can
+    be replaced."""
     import torch.distributed as dist
 
     if is_rank0():
