@@ -77,7 +77,8 @@ class Workload:
     steps: int = _f(5, "measured steps")
     warmup_steps: int = _f(1, "steps run first and left out of the table (compile, graph capture)")
     micro_batch_size: int = _f(16, "sequences per micro-batch (plain, TRL)")
-    max_tokens_per_micro_batch: int = _f(16384, "token budget per micro-batch (opkd, verl's dynamic batch)")
+    max_tokens_per_micro_batch: int = _f(16384, "token budget per micro-batch (opkd, verl's dynamic batch); "
+                                                "0: micro_batch_size sequences per micro-batch")
     lr: float = _f(1e-5, "learning rate, constant")
     clip_grad: float = _f(1.0, "max global gradient norm")
     dtype: str = _f("bfloat16", "training and inference dtype (float32 on CPU)")
@@ -263,7 +264,7 @@ def opkd_overrides(w: Workload, run_dir: str, prompts_path: str, on_gpu: bool) -
            f"rollout.seed={w.seed}", f"rollout.max_model_len={w.max_model_len}",
            f"rollout.gpu_memory_utilization={_num(w.gpu_memory_utilization)}",
            f"parallel.micro_batch_size={w.micro_batch_size}",
-           f"parallel.max_tokens_per_micro_batch={w.max_tokens_per_micro_batch}",
+           f"parallel.max_tokens_per_micro_batch={w.max_tokens_per_micro_batch or 'null'}",
            f"parallel.global_batch_size={w.sequences_per_step}", f"optim.lr={_num(w.lr)}",
            f"optim.clip_grad={_num(w.clip_grad)}", f"data.train_path={prompts_path}", "data.shuffle=false",
            f"run.steps={w.total_steps}", f"run.output_dir={run_dir}",
