@@ -49,6 +49,18 @@ def _load_metadata(engine_dir: str):
         return pickle.load(f)  # our own fresh save: trusted
 
 
+def _append_item(engine_dir, metadata, index, info, obj) -> None:
+    """Append `obj` (torch.save'd) to the shard that holds byte item `index`, and point the item there."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    path = os.path.join(engine_dir, info.relative_path)
+    offset = os.path.getsize(path)
+    with open(path, "ab") as f:
+        f.write(buffer.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))
+    _dump_metadata(engine_dir, metadata)
+
+
 def _dump_metadata(engine_dir: str, metadata) -> None:
     with open(os.path.join(engine_dir, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
@@ -67,14 +79,7 @@ def plant(engine_dir: str, case: str, marker: str) -> None:
         index, info = next((i, s) for i, s in metadata.storage_data.items()
                            if "_extra_state" in i.fqn
                            and isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
-        buffer = io.BytesIO()
-        torch.save([Payload(marker)], buffer)
-        path = os.path.join(engine_dir, info.relative_path)
-        offset = os.path.getsize(path)
-        with open(path, "ab") as f:
-            f.write(buffer.getvalue())
-        metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))
-        _dump_metadata(engine_dir, metadata)
+        _append_item(engine_dir, metadata, index, info, [Payload(marker)])
     else:
         common = torch.load(os.path.join(engine_dir, "common.pt"), weights_only=True)
         common["payload"] = Payload(marker)
@@ -213,14 +218,7 @@ def test_a_transformer_engine_extra_state_tensor_is_refused(planted, tmp_path):
     metadata = _load_metadata(engine_dir)
     index, info = next((i, s) for i, s in metadata.storage_data.items() if "_extra_state" in i.fqn)
     pickled = pickle.dumps(Payload(str(tmp_path / "ran")))
-    buffer = io.BytesIO()
-    torch.save([torch.frombuffer(bytearray(pickled), dtype=torch.uint8)], buffer)
-    path = os.path.join(engine_dir, info.relative_path)
-    offset = os.path.getsize(path)
-    with open(path, "ab") as f:
-        f.write(buffer.getvalue())
-    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))
-    _dump_metadata(engine_dir, metadata)
+    _append_item(engine_dir, metadata, index, info, [torch.frombuffer(bytearray(pickled), dtype=torch.uint8)])
     with pytest.raises(ValueError, match="extra-state tensor .* Transformer Engine would unpickle"):
         check_dist_checkpoint(str(engine_dir))
     assert not (tmp_path / "ran").exists()

@@ -14,18 +14,9 @@ import pytest
 
 from opkd_mcore.models.convert import FORMAT, MARKER_FILE, META_FILE, build_parser, check_output_dir
 from opkd_mcore.models.convert import main as convert_main
+from tests.test_train_checkpoint import _tree
 
 pytest.importorskip("megatron.core")
-
-
-def _tree(root) -> dict[str, bytes]:
-    """Every file under `root` with its bytes (an empty dict once `root` is gone)."""
-    out = {}
-    for here, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(here, name), "rb") as f:
-                out[os.path.relpath(os.path.join(here, name), root)] = f.read()
-    return out
 
 
 @pytest.fixture(scope="module")

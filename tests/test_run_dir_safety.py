@@ -21,7 +21,7 @@ from opkd_mcore.models import weights
 from opkd_mcore.train import checkpoint as ckpt
 from opkd_mcore.train.checkpoint import TrainerState
 from opkd_mcore.train.metrics import MetricsLogger
-from tests.test_train_checkpoint import FakeEngine, _hf_dir, _tree
+from tests.test_train_checkpoint import FakeEngine, _tree, write_cli_config
 
 OVERWRITE_MESSAGE = ("run.overwrite: overwriting is asked for on the command line with --overwrite, never "
                      "in a config file")
@@ -49,22 +49,9 @@ def _write(path, text: str = "x") -> None:
 def cli(tmp_path, monkeypatch):
     """`opkd train`'s `main` with a valid config file; engines never start (build_run fails the test)."""
     from opkd_mcore.launch import main
-    from opkd_mcore.train import spmd
 
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-    def no_engines(*args, **kwargs):
-        raise AssertionError("build_run was called: the engines would have started")
-
-    monkeypatch.setattr(spmd, "build_run", no_engines)
-    cfg = {"model": {"student": _hf_dir(tmp_path, "student")},
-           "parallel": {"micro_batch_size": 2, "global_batch_size": 8},
-           "loss": {"support": "teacher"},
-           "teacher": {"teachers": [{"backend": "hf", "model": _hf_dir(tmp_path, "teacher"), "top_k": 4}]},
-           "run": {"output_dir": str(tmp_path / "run")}}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return types.SimpleNamespace(main=main, config=str(path), tree=cfg, out=tmp_path / "run")
+    config, out, tree = write_cli_config(tmp_path, monkeypatch)
+    return types.SimpleNamespace(main=main, config=config, tree=tree, out=out)
 
 
 # ---------------------------------------------------------------- 1. --overwrite is one command line's

@@ -149,9 +149,9 @@ def _hf_dir(path, name):
     return hf_checkpoint(path, name)
 
 
-@pytest.fixture
-def cli_config(tmp_path, monkeypatch):
-    """A valid config file for `opkd train`; engines are never started (build_run fails the test)."""
+def write_cli_config(tmp_path, monkeypatch) -> tuple[str, object, dict]:
+    """(path, output dir, tree) of a valid config file for `opkd train`; engines are never started
+    (build_run fails the test)."""
     from opkd_mcore.train import spmd
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -167,7 +167,13 @@ def cli_config(tmp_path, monkeypatch):
            "run": {"output_dir": str(tmp_path / "run")}}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return str(path), tmp_path / "run"
+    return str(path), tmp_path / "run", cfg
+
+
+@pytest.fixture
+def cli_config(tmp_path, monkeypatch):
+    config, out, _ = write_cli_config(tmp_path, monkeypatch)
+    return config, out
 
 
 def test_cli_resume_with_nothing_to_resume_exits_2_with_one_line(cli_config, capsys):
