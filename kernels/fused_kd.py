@@ -217,7 +217,7 @@ def support_masses(s_S, lse_s, log_p_S, valid):
     return teacher, student
 
 
-# ------------------------------------- one block of rows: loss, then its gradient (shared with linear_kd_rows.py)
+# ----------------------- one block of rows: loss, then its gradient (shared with linear_kd_rows.py)
 @dataclass(frozen=True)
 class KdGradState:
     """What `write_kd_grad` needs besides the logits: O(N) / O(N K) tensors from `kd_objective`.
@@ -298,7 +298,8 @@ class FusedKdLoss(torch.autograd.Function):
         LAUNCHES[backend.name] += 1
         loss, teacher_mass, student_mass, state = kd_objective(z, t, ids, logprobs, spec, backend, group,
                                                                ctx.needs_input_grad[0])
-        ctx.spec, ctx.backend, ctx.inplace, ctx.state = spec, backend, inplace_grad, state.with_tensors([None] * 5)
+        ctx.spec, ctx.backend, ctx.inplace = spec, backend, inplace_grad
+        ctx.state = state.with_tensors([None] * 5)
         # a sparse support's gradient never reads the teacher's logits: they need not outlive the forward
         ctx.save_for_backward(z, t if spec.support is None else None, *state.tensors())
         ctx.mark_non_differentiable(teacher_mass, student_mass)

@@ -108,7 +108,8 @@ def grad_pass(engine, inp: LinearInputs, lse, coef, inv_t: float, beta: float, c
                     torch.mm(dz.T, h[rows], out=d_w[cols])   # one GEMM over all rows: rounded once
                     continue
                 if acc is None:
-                    acc = torch.zeros(cols.stop - cols.start, h.shape[1], dtype=torch.float32, device=h.device)
+                    acc = torch.zeros(cols.stop - cols.start, h.shape[1], dtype=torch.float32,
+                                      device=h.device)
                 addmm_f32_(acc, dz.T, h[rows])
         if acc is not None:
             d_w[cols] = acc
@@ -263,13 +264,14 @@ def check_linear_inputs(hidden, weight, teacher_hidden, teacher_weight, topk_ids
         raise ValueError("teacher_hidden / teacher_weight: pass both (a dense teacher) or neither")
     if teacher_hidden is not None:
         if teacher_hidden.dim() != 2 or teacher_hidden.shape[0] != hidden.shape[0]:
-            raise ValueError(f"teacher_hidden: expected [N={hidden.shape[0]}, H_t], got {tuple(teacher_hidden.shape)}")
+            raise ValueError(f"teacher_hidden: expected [N={hidden.shape[0]}, H_t], "
+                             f"got {tuple(teacher_hidden.shape)}")
         if teacher_weight.shape != (weight.shape[0], teacher_hidden.shape[1]):
             raise ValueError(f"teacher_weight: expected [{weight.shape[0]}, {teacher_hidden.shape[1]}], "
                              f"got {tuple(teacher_weight.shape)}")
         if teacher_hidden.dtype != hidden.dtype or teacher_weight.dtype != hidden.dtype:
-            raise ValueError(f"teacher_hidden / teacher_weight: expected dtype {hidden.dtype} (the student's), got "
-                             f"{teacher_hidden.dtype} / {teacher_weight.dtype}")
+            raise ValueError(f"teacher_hidden / teacher_weight: expected dtype {hidden.dtype} (the "
+                             f"student's), got {teacher_hidden.dtype} / {teacher_weight.dtype}")
     elif topk_ids is None or topk_logprobs is None:
         raise ValueError("teacher: pass teacher_hidden + teacher_weight, or topk_ids + topk_logprobs")
     elif spec.support is None:
@@ -278,7 +280,8 @@ def check_linear_inputs(hidden, weight, teacher_hidden, teacher_weight, topk_ids
         raise ValueError(f"spec.k: support={spec.support!r} with a dense teacher needs k, got None")
 
 
-def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor | None = None,
+def fused_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor,
+                         teacher_hidden: torch.Tensor | None = None,
                          teacher_weight: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
                          topk_logprobs: torch.Tensor | None = None, *, spec: KdSpec = KdSpec(), tp_group=None,
                          backend="auto", student_vocab_end: int | None = None,

@@ -29,7 +29,8 @@ DIV_SPARSE_ONLY, DIV_FORWARD_KL, DIV_REVERSE_KL, DIV_JSD = 0, 1, 2, 3
 
 def _kd_grad_kernel(z_ptr, t_ptr, g_ptr, lse_ptr, coef_ptr, top_val_ptr, top_col_ptr, z_stride, t_stride,
                     g_stride, V, inv_T, beta,
-                    DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, TOP1: tl.constexpr):
+                    DIVERGENCE: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    TOP1: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
     lse_s = tl.load(lse_ptr + row * 2)

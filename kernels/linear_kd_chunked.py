@@ -52,7 +52,8 @@ class ChunkedLinearKd:
         (None without a dense teacher or when not wanted)."""
         n, dense = inp.num_rows, inp.teacher_hidden is not None
         out = torch.empty(n, 6, dtype=torch.float32, device=inp.hidden.device)
-        argmax = torch.zeros(n, dtype=torch.int64, device=inp.hidden.device) if dense and want_argmax else None
+        argmax = (torch.zeros(n, dtype=torch.int64, device=inp.hidden.device) if dense and want_argmax
+                  else None)
         for rows in row_blocks(n, self.block_rows):
             parts = []
             best = None
@@ -78,7 +79,8 @@ class ChunkedLinearKd:
                 out[rows] += self.backend.jsd_sums(z, u, lse[rows].contiguous(), inv_t, beta).float()
         return out
 
-    def support_values(self, x: torch.Tensor, w: torch.Tensor, local_ids: torch.Tensor, end: int) -> torch.Tensor:
+    def support_values(self, x: torch.Tensor, w: torch.Tensor, local_ids: torch.Tensor,
+                       end: int) -> torch.Tensor:
         """Raw logits `x[n] . w[id]` at shard-local ids `[N, K]` (float32; 0 where id < 0)."""
         n, k = local_ids.shape
         out = torch.zeros(n, k, dtype=torch.float32, device=x.device)

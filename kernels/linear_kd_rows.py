@@ -104,10 +104,12 @@ def _chunk(inp: LinearInputs, rows: slice, ids, logprobs, c, spec, backend, grou
     z = logits_block(inp.hidden, inp.weight, rows, cols, inp.student_end, inp.hidden.dtype)
     u = None
     if inp.teacher_hidden is not None:
-        u = logits_block(inp.teacher_hidden, inp.teacher_weight, rows, cols, inp.teacher_end, inp.hidden.dtype)
+        u = logits_block(inp.teacher_hidden, inp.teacher_weight, rows, cols, inp.teacher_end,
+                         inp.hidden.dtype)
     part_ids = None if ids is None else ids[rows]
     part_lp = None if logprobs is None else logprobs[rows]
-    loss, teacher_mass, student_mass, state = kd_objective(z, u, part_ids, part_lp, spec, backend, group, need_grad)
+    loss, teacher_mass, student_mass, state = kd_objective(z, u, part_ids, part_lp, spec, backend, group,
+                                                           need_grad)
     # the gradient pass reads u anyway: where it can, it also finds the teacher's row maxima
     fused_top1 = (need_grad and u is not None and state.s_S is None
                   and getattr(backend, "writes_teacher_top1", False))
@@ -129,7 +131,8 @@ def _chunk(inp: LinearInputs, rows: slice, ids, logprobs, c, spec, backend, grou
 
 class RowsLinearKdLoss(torch.autograd.Function):
     """forward(h, W, h_t | None, W_t | None, ids | None, logprobs | None, c [N], spec, backend, group,
-    ends, chunk_rows, dw_float32, grad_mode) -> (sum_n c_n loss_n, loss [N], teacher mass [N], student mass [N],
+    ends, chunk_rows, dw_float32, grad_mode) -> (sum_n c_n loss_n, loss [N], teacher mass [N],
+    student mass [N],
     lse [N, 2], teacher top-1 [N]); only the first is differentiable, w.r.t. h and W."""
 
     @staticmethod
@@ -197,7 +200,8 @@ def check_row_weights(row_weights, hidden):
                          f"device ({hidden.device.type}) (d scalar / d loss_n), got {got}")
 
 
-def rows_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor | None = None,
+def rows_linear_kd_loss(hidden: torch.Tensor, weight: torch.Tensor,
+                        teacher_hidden: torch.Tensor | None = None,
                         teacher_weight: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
                         topk_logprobs: torch.Tensor | None = None, *, row_weights: torch.Tensor,
                         spec: KdSpec | None = None, tp_group=None, backend="auto",

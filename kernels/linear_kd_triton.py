@@ -93,7 +93,8 @@ class TritonLinearKd:
     def row_stats(self, inp: LinearInputs, inv_t: float, want_argmax: bool = False):
         splits = self._splits(inp.num_rows, inp.vocab, inp.hidden.device)
         parts, arg = linear_row_stats(inp.hidden, inp.weight, inp.teacher_hidden, inp.teacher_weight,
-                                      inp.student_end, inp.teacher_end, inv_t, splits, **self._tiles(inp.hidden))
+                                      inp.student_end, inp.teacher_end, inv_t, splits,
+                                      **self._tiles(inp.hidden))
         stats = merge_stats(parts.transpose(0, 1))
         argmax = None
         if want_argmax and inp.teacher_hidden is not None:
@@ -125,7 +126,8 @@ class TritonLinearKd:
         return linear_grad_block(
             inp.hidden[rows], inp.weight[cols], inp.teacher_hidden[rows] if teacher else None,
             inp.teacher_weight[cols] if teacher else None, lse, coef, inp.student_end - cols.start,
-            inp.teacher_end - cols.start, inv_t, beta, code, group_m=self.cfg.group_m, **self._tiles(inp.hidden))
+            inp.teacher_end - cols.start, inv_t, beta, code, group_m=self.cfg.group_m,
+            **self._tiles(inp.hidden))
 
     def scatter(self, dz, local_ids, s_support, d_support, lse, coef):
         return kd_sparse_scatter.sparse_scatter(dz, local_ids, s_support, d_support, lse, coef)

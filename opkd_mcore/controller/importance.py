@@ -35,7 +35,8 @@ def truncated_is_weights(engine, samples: list, stale: list[bool], par: Parallel
     weights = torch.ones(len(samples), dtype=torch.float32)
     # the samples this rank trains (the same split as the training step), in its micro-batches
     groups = micro_batch_groups([len(s.sequence) for s in samples], shard.dp_size, shard.dp_rank,
-                                micro_batch_size=par.micro_batch_size, max_tokens=par.max_tokens_per_micro_batch)
+                                micro_batch_size=par.micro_batch_size,
+                                max_tokens=par.max_tokens_per_micro_batch)
     groups = [g for g in ([i for i in group if stale[i]] for group in groups) if g]
     mine = [i for g in groups for i in g]
     if not mine:

@@ -81,7 +81,8 @@ class RolloutFeed:
         self.steps_trained = step  # optimizer steps trained (and synced when due)
         self.prompts_trained = step * cfg.rollout.prompts_per_step  # (the async bound)
         self.rollout_calls: dict[ObjectRef, RolloutCall] = {}  # generate calls in flight
-        self.teacher_in_flight: dict[ObjectRef, TeacherCall] = {}  # by their seconds' reference, until it returns
+        # by their seconds' reference, until it returns
+        self.teacher_in_flight: dict[ObjectRef, TeacherCall] = {}
         self.teacher_calls: dict[int, TeacherCall] = {}  # id -> call, until no group reads its rows
         self.generated: dict[tuple, GroupResult] = {}  # generated, not yet trained, in completion order
         self.deferred: list[GroupResult] = []  # generated, teacher call not yet allowed

@@ -287,7 +287,8 @@ def _shard_in_hf(lp: _LocalParam, layout: ModelLayout, name: str,
     raise ValueError(f"unknown tensor rule kind {kind!r}")
 
 
-def shard_writes(model_chunks, named_hf: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def shard_writes(model_chunks,
+                 named_hf: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination, source) pairs that fill this TP rank's part of each HF tensor in `named_hf`
     (name, a tensor in the HF shape, e.g. a view into a weight-sync bucket) from its own shards:
     every TP rank copying its pairs fills the tensors whole, without a collective."""

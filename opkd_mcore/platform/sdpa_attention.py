@@ -51,7 +51,8 @@ class PackedLayout:
         if device not in self._indices:
             lens = torch.tensor([b - a for a, b in itertools.pairwise(self.bounds)])
             seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
-            pos = torch.arange(self.bounds[-1]) - torch.repeat_interleave(torch.tensor(self.bounds[:-1]), lens)
+            starts = torch.repeat_interleave(torch.tensor(self.bounds[:-1]), lens)
+            pos = torch.arange(self.bounds[-1]) - starts
             self._indices[device] = (seq.to(device, non_blocking=True), pos.to(device, non_blocking=True))
         return self._indices[device]
 

@@ -138,7 +138,8 @@ class MegatronWeightExport:
         _check_single_sender_of_shared(self.ep)
         self.metadata = hf_weight_metadata(model_chunks)
         # the plan's "stage" of a tensor is its source: one group and one sender per source
-        self.plan = BucketPlan.from_metadata([replace(m, pp_stage=source_of(m, self.ep)) for m in self.metadata],
+        self.plan = BucketPlan.from_metadata([replace(m, pp_stage=source_of(m, self.ep))
+                                              for m in self.metadata],
                                              cfg.bucket_bytes)
         self.groups = cfg.stage_groups(num_stages * self.ep)
         self.source = my_source()

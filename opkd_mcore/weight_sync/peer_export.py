@@ -81,7 +81,8 @@ class PeerExport:
                                "rank's bucket buffers (TP ranks on other hosts, or devices without peer "
                                "access; each rank's log says why); use tp_export=gather or auto")
         if bad:
-            logger.info("weight sync: TP rank(s) %s cannot map the sender's buckets; all-gathering instead", bad)
+            logger.info("weight sync: TP rank(s) %s cannot map the sender's buckets; all-gathering instead",
+                        bad)
             self.mapped = []
         return not bad
 

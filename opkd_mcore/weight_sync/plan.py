@@ -170,7 +170,8 @@ class BucketPlan:
         return cls(slots, buckets, bucket_bytes)
 
     @classmethod
-    def from_named_tensors(cls, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    def from_named_tensors(cls, named: Iterable[tuple[str, torch.Tensor]],
+                           bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                            pp_stage: int = 0) -> "BucketPlan":
         """Plan for a plain `(name, tensor)` stream held by one stage (HF state dicts, benchmarks)."""
         return cls.from_metadata([_Row(n, tuple(t.shape), t.dtype, pp_stage) for n, t in named], bucket_bytes)
@@ -232,7 +233,8 @@ class BucketPlan:
             extra = longer.slots[min(len(self.slots), len(other.slots))]
             return f"tensor {extra.name!r} exists only {which}"
         if self.digest() != other.digest():
-            return f"bucket layout differs (bucket_bytes {self.bucket_bytes} here, {other.bucket_bytes} there)"
+            return (f"bucket layout differs (bucket_bytes {self.bucket_bytes} here, "
+                    f"{other.bucket_bytes} there)")
         return None
 
     def mismatch_against(self, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> str | None:
