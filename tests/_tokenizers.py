@@ -68,8 +68,8 @@ def metaspace_tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", bos_token="<s>", unk_token="<unk>",
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", bos_token="<s>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
 
 
 def ids(tokenizer, text: str) -> list[int]:

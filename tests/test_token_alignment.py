@@ -144,7 +144,8 @@ def test_digit_pairs_and_end_of_turn():
     al = aligner.align(ids(s_tok, "07+45="), response)
     assert t_tok.convert_ids_to_tokens(al.teacher_ids) == ["25", "0", "<|endoftext|>"]
     assert al.spans == [((0, 1), (0,)), ((2,), (1,)), ((3,), (2,))]
-    exact = [aligner.is_exact(response[s[0]], al.teacher_ids[t[0]]) for s, t in al.spans if len(s) == len(t) == 1]
+    exact = [aligner.is_exact(response[s[0]], al.teacher_ids[t[0]])
+             for s, t in al.spans if len(s) == len(t) == 1]
     assert exact == [True, True]
 
 
