@@ -58,16 +58,17 @@ class CrossTokenizerStats:
 
 
 def cross_tokenizer_loss(student_logits: torch.Tensor, teacher: CrossTokenizerTeacher,
-                         next_tokens: torch.Tensor, teacher_to_student: torch.Tensor, *, mode: str, divergence: str = "forward_kl",
-                         beta: float = 0.5, temperature: float = 1.0, mass: str = "renorm",
-                         coverage_coef: float = 0.0, k: int | None = None, exact_weight: float = 1.0,
-                         uld_weight: float = 1.0, tp_group=None, impl: str = "auto"
-                         ) -> tuple[torch.Tensor, CrossTokenizerStats]:
+                         next_tokens: torch.Tensor, teacher_to_student: torch.Tensor, *, mode: str,
+                         divergence: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
+                         mass: str = "renorm", coverage_coef: float = 0.0, k: int | None = None,
+                         exact_weight: float = 1.0, uld_weight: float = 1.0, tp_group=None,
+                         impl: str = "auto") -> tuple[torch.Tensor, CrossTokenizerStats]:
     """Per-student-row loss `[N]` (float32; float64 for float64 logits) and its stats.
 
     `next_tokens [N]`: the student token each row scores; `teacher_to_student [V_teacher]`: student
-    id of each teacher id (-1: none); `k`: the top-k width taken from dense teacher rows. The
-    divergence keywords are `kd_loss`'s (support: the mapped teacher ids)."""
+    id of each teacher id (-1: none); `k`: the top-k width taken from dense teacher rows (top-k rows:
+    the exact term keeps the k most probable mapped ids, as `kd_loss` truncates). The divergence
+    keywords are `kd_loss`'s (support: the mapped teacher ids)."""
     if mode not in CROSS_TOKENIZER_LOSSES:
         raise ValueError(f"mode: expected one of {CROSS_TOKENIZER_LOSSES}, got {mode!r}")
     if teacher.rows is None:
@@ -84,7 +85,8 @@ def cross_tokenizer_loss(student_logits: torch.Tensor, teacher: CrossTokenizerTe
     exact_rows = idx.exact_row >= 0 if mode != "uld" else torch.zeros_like(idx.exact_row, dtype=torch.bool)
     loss, teacher_mass, uld = zeros, zeros, zeros
     if mode != "uld":
-        kd = dict(divergence=divergence, beta=beta, temperature=temperature, support="teacher", k=None,
+        truncate = k if isinstance(teacher.rows, TopKTeacher) else None
+        kd = dict(divergence=divergence, beta=beta, temperature=temperature, support="teacher", k=truncate,
                   mass=mass, coverage_coef=coverage_coef)
         mapped = mapped_topk(t_ids, t_lp, idx.exact_row, teacher_to_student)
         loss, teacher_mass = _exact_loss(student_logits, mapped, kd, tp_group, impl, alone=mode == "exact")

@@ -62,12 +62,15 @@ class CrossTokenizerTeacher:
         step's teacher has run.
     tokens: `[M]` the teacher's token sequence(s), `cu_seqlens` `[B+1]` int32 their boundaries:
         what an in-step teacher runs on.
+    teacher_to_student: `[V_teacher]` int64, the student id of each teacher id (-1: none), the
+        vocabulary map built once for the run (`data.token_alignment.VocabMap`), carried along.
     """
 
     rows: TopKTeacher | DenseTeacher | None
     index: SpanIndex
     tokens: torch.Tensor
     cu_seqlens: torch.Tensor
+    teacher_to_student: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -119,7 +122,8 @@ def concat_cross_teachers(parts: list[CrossTokenizerTeacher]) -> CrossTokenizerT
     cu = torch.zeros(len(parts) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
     rows = _concat_rows([p.rows for p in parts])
-    return CrossTokenizerTeacher(rows, index, torch.cat([p.tokens for p in parts]), cu)
+    return CrossTokenizerTeacher(rows, index, torch.cat([p.tokens for p in parts]), cu,
+                                 parts[0].teacher_to_student)
 
 
 def _concat_rows(rows: list):
@@ -139,6 +143,20 @@ def with_padding_row(rows: TopKTeacher) -> TopKTeacher:
     k = rows.ids.shape[1]
     return TopKTeacher(torch.cat([rows.ids, torch.full((1, k), PAD_ID, dtype=rows.ids.dtype)]),
                        torch.cat([rows.logprobs, torch.full((1, k), -math.inf, dtype=rows.logprobs.dtype)]))
+
+
+@torch.no_grad()
+def exact_top1_agreement(teacher: CrossTokenizerTeacher, next_tokens_N: torch.Tensor) -> tuple[int, int]:
+    """(rows where the teacher's most likely token is the student's next token, rows compared), over
+    the exact spans of top-k rows (elsewhere the two vocabularies name no common token)."""
+    if not isinstance(teacher.rows, TopKTeacher) or teacher.teacher_to_student is None:
+        return 0, 0
+    rows = teacher.index.exact_row
+    on = rows >= 0
+    top1 = teacher.rows.ids[rows.clamp(min=0), 0]
+    table = teacher.teacher_to_student
+    mapped = torch.where((top1 >= 0) & (top1 < table.numel()), table[top1.clamp(0, table.numel() - 1)], NONE)
+    return int(((mapped == next_tokens_N) & on).sum()), int(on.sum())
 
 
 # ---------------------------------------------------------------- teacher rows as top-k
