@@ -114,19 +114,24 @@ def cross_tokenizer_scorer(cfg: TrainConfig) -> CrossTokenizerScorer:
 
 
 def build_in_step_teacher(cfg: TrainConfig, padded_vocab: int, student_vocab: int):
-    """The run's `megatron` teacher on this rank (collective: every rank calls it), or None."""
+    """The run's `megatron` teacher on this rank (collective: every rank calls it), or None. Across
+    tokenizers it keeps its own vocabulary (its logits are aligned with the student's after the step)."""
     t = in_step_endpoint(cfg)
     if t is None:
         return None
     import torch
 
+    own = cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off"
+    vocab = load_hf_config(t.model).vocab_size if own else student_vocab
+
     teacher = MegatronTeacher(t.model, MegatronTeacherConfig(
         params_dtype=getattr(torch, cfg.model.params_dtype), offload_between_calls=t.offload,
         padded_vocab=padded_vocab))
-    logger.info("teacher %s: Megatron, in the student's step (%d parameters on this rank%s)", t.name,
-                InStepTeacher(teacher, vocab_size=student_vocab).num_parameters(),
-                ", offloaded between steps" if t.offload else "")
-    return InStepTeacher(teacher, vocab_size=student_vocab)
+    in_step = InStepTeacher(teacher, vocab_size=vocab, own_vocabulary=own)
+    logger.info("teacher %s: Megatron, in the student's step (%d parameters on this rank%s%s)", t.name,
+                in_step.num_parameters(), ", offloaded between steps" if t.offload else "",
+                ", on its own tokens" if own else "")
+    return in_step
 
 
 def route_data(cfg: TrainConfig, data: dict) -> dict:
