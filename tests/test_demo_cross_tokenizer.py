@@ -1,5 +1,6 @@
 """`opkd demo --variant cross_tokenizer --quick` end to end: a char-level student distilled on-policy
-from a teacher trained with another tokenizer (operands as digit pairs, other ids and special tokens),
+from a teacher trained with another tokenizer (operators glued to the next digit, other ids and special
+tokens),
 `loss.cross_tokenizer: gold`; the reported accuracy recomputed here with plain `transformers`."""
 from __future__ import annotations
 

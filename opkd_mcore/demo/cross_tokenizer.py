@@ -1,15 +1,25 @@
 """`opkd demo --variant cross_tokenizer`: on-policy distillation from a teacher with another tokenizer.
 
-The teacher is trained on the demo's addition task with its own tokenizer: a two-digit operand is
-one token ("07", "45"), every other character one token, other special tokens (`<s>` before a
-prompt, `<|endoftext|>` at the end) and other ids for every character. The student is the main
-demo's char-level student (a char-level model trained on the task, its MLPs cut to a few neurons).
-The distillation runs with `loss.cross_tokenizer: gold`: each sampled response is decoded, written
-again in the teacher's tokens after the teacher's own prompt ("<s> 07 + 45 =" where the student
-reads "<bos> 0 7 + 4 5 ="), scored by the teacher, and aligned with the student's tokens by
-character spans. Answer digits are single characters on both sides, so the answer's spans are 1:1
-spans of the same token (the exact term, on the teacher's top-k mapped to the student's ids);
-a span where the student writes an operand-like pair ("12=") is compared by ULD.
+The teacher is trained on the demo's addition task with its own tokenizer: an operator is glued to
+the digit after it ("+4", as a GPT-2 tokenizer glues a space to the next word), other special tokens
+(`<s>` before a prompt, `<|endoftext|>` at the end of the turn) and other ids for every character.
+The student is the main demo's char-level student (a char-level model trained on the task, its MLPs
+cut to a few neurons). The distillation runs with `loss.cross_tokenizer: gold`: each sampled
+response is decoded, written again in the teacher's tokens after the teacher's own prompt
+("<s> 0 7 +4 5 =" where the student reads "<bos> 0 7 + 4 5 ="), scored by the teacher, and aligned
+with the student's tokens by character spans. Answer digits are single characters on both sides,
+so a well-formed answer's spans are 1:1 spans of the same token (the exact term, on the teacher's
+top-k mapped to the student's ids); a span where the student writes an operator and a digit ("=5")
+is one teacher token against two student tokens, compared by ULD.
+
+`--quick` (CI, one-digit addition, 80 training problems) glues "=" alone: a teacher that must learn
+ten "+d" tokens from 80 problems memorises them (0% held-out), and "=" never precedes a digit in a
+prompt, so its prompts read like the student's, in other ids and special tokens.
+
+A teacher that writes each two-digit operand as one token ("07", "45") was tried first: with the
+demo's model size and SFT budget (500 steps) it reached 6% held-out exact match on 2000 training
+problems and 9% on 9000, as each of the 100 pair tokens must be decomposed into its digits from data;
+the glued operators keep the task learnable in the time the demo has.
 
 Evaluation as in `opkd demo`, each model with its own tokenizer; the held-out KL is over the answer
 positions, the teacher's distribution on the ids both vocabularies share (renormalised) against the
@@ -30,19 +40,22 @@ CROSS_ARTIFACTS = ("char_init", "char_hf", ".char_hf.tmp-*", ".char_hf.old-*", "
 OVERRIDES = ["loss.cross_tokenizer=gold"]
 
 
-def operand_pair_tokenizer():
-    """The teacher's tokenizer: a two-digit number before "+" or "=" is one token, anything else one
-    character; `<s>` before every text, `<|endoftext|>` the end of turn (and padding); ids unlike
-    the student's (pairs first, characters in reverse order)."""
+def glued_operator_tokenizer(operators: str = "+="):
+    """The teacher's tokenizer: each of `operators` is glued to the digit after it ("+4", "=2": as a
+    GPT-2 tokenizer glues a space to the next word), anything else is one character; `<s>` before
+    every text, `<|endoftext|>` the end of turn (and padding); ids unlike the student's (the glued
+    tokens first, characters in reverse order)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<|endoftext|>": 0, "<s>": 1}
-    vocab.update({f"{n:02d}": len(vocab) + n for n in range(100)})
+    for op in operators:
+        vocab.update({f"{op}{d}": len(vocab) + d for d in range(10)})
     for ch in reversed(ALPHABET):
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"\d\d(?=[+=])|[\s\S]"), behavior="isolated")
+    glued = "[" + "".join("\\" + op for op in operators) + "]"
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(glued + r"\d|[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                         special_tokens=[("<s>", vocab["<s>"])])

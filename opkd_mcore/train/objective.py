@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opkd_mcore.config.loss_rules import cross_tokenizer_mode
 from opkd_mcore.config.schema import LossSection
 from opkd_mcore.engine.lm_head import LmHeadInput
 from opkd_mcore.engine.packing import PackedBatch
@@ -156,7 +157,8 @@ def _cross_tokenizer_kd(logits, batch, plan: LossPlan, tp_group):
     loss, teacher = plan.loss, batch.teacher
     kd = plan.kd_kwargs()
     per_token, stats = cross_tokenizer_loss(
-        logits, teacher, _next_tokens(batch), teacher.teacher_to_student, mode=loss.cross_tokenizer,
+        logits, teacher, _next_tokens(batch), teacher.teacher_to_student,
+        mode=cross_tokenizer_mode(loss.cross_tokenizer),
         divergence=kd["divergence"], beta=kd["beta"], temperature=kd["temperature"], mass=kd["mass"],
         coverage_coef=kd["coverage_coef"], k=kd["k"], exact_weight=loss.gold_exact_weight,
         uld_weight=loss.gold_uld_weight, tp_group=tp_group, impl=plan.kd_impl)
