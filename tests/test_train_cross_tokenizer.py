@@ -6,16 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opkd_mcore.config import LossSection, ParallelSection
+from opkd_mcore.config import LossSection, ParallelSection, load_config
 from opkd_mcore.losses import CrossTokenizerTeacher, TopKTeacher, cross_tokenizer_loss
 from opkd_mcore.losses.plan import resolve_loss_plan
+from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from opkd_mcore.rollout import Sample
 from opkd_mcore.teacher.base import Teacher, check_sequences
 from opkd_mcore.teacher.cross_tokenizer import CrossTokenizerScorer
+from opkd_mcore.teacher.remote import RemoteVllmTeacher
+from opkd_mcore.teacher.router import TeacherRouter
 from opkd_mcore.train.objective import make_loss_fn
 from opkd_mcore.train.stages import RolloutBatch, ShardLayout, pack_micro_batches, teacher_stage
 from opkd_mcore.train.step_report import rollout_metrics
-from tests._tokenizers import char_tokenizer, digit_pair_tokenizer, ids
+from opkd_mcore.train.teacher_setup import build_scoring_teacher
+from tests._tokenizers import CHARS, char_tokenizer, digit_pair_tokenizer, ids
 
 K = 5
 
@@ -124,3 +128,28 @@ def test_digit_pair_teacher_through_the_stages():
     assert 0 < metrics["xtok/uld_rows"] and 0 < metrics["xtok/exact_rows"]
     report = rollout_metrics(scored)
     assert 0.0 <= report["teacher/top1_agreement"] <= 1.0
+
+
+def test_the_run_wraps_its_one_teacher(tmp_path):
+    """`build_scoring_teacher` across tokenizers: the wrapper around a remote teacher (probed for the
+    teacher's own ids, replicas routed), or around nothing for a megatron teacher in the step."""
+    shape = TinyModelShape(vocab_size=160, hidden_size=32, num_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, intermediate_size=32)
+    student = save_tiny_hf_model(str(tmp_path / "s"), "qwen3", shape, alphabet=CHARS)
+    teacher = save_tiny_hf_model(str(tmp_path / "t"), "qwen3", shape, tokenizer=digit_pair_tokenizer())
+    base = [f"model.student={student}", f"teacher.teachers.0.model={teacher}", "loss.support=teacher",
+            "loss.cross_tokenizer=exact"]
+    remote = [*base, "teacher.teachers.0.backend=remote", "teacher.teachers.0.url=http://127.0.0.1:9"]
+    scorer = build_scoring_teacher(load_config(None, remote, validate=False))
+    assert isinstance(scorer, CrossTokenizerScorer) and isinstance(scorer.teacher, RemoteVllmTeacher)
+    assert scorer.teacher.cfg.student_vocab_size == len(digit_pair_tokenizer())
+    with_replica = [*remote, "teacher.teachers.0.replica_urls=[http://h:1]"]
+    replicas = build_scoring_teacher(load_config(None, with_replica, validate=False))
+    assert isinstance(replicas.teacher, TeacherRouter)
+    megatron = [*base, "teacher.teachers.0.backend=megatron", "loss.k=4"]
+    in_step = build_scoring_teacher(load_config(None, megatron, validate=False))
+    assert isinstance(in_step, CrossTokenizerScorer) and in_step.teacher is None
+    scored = in_step.score_rollout(_samples(char_tokenizer(), PROBLEMS[:1]))
+    t_tok = digit_pair_tokenizer()
+    assert scored[0].rows is None   # filled in the step
+    assert scored[0].tokens.tolist() == ids(t_tok, "07+45=") + ids(t_tok, "250") + [t_tok.eos_token_id]
