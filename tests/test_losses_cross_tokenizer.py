@@ -229,15 +229,18 @@ def test_exact_with_one_tokenizer_is_the_same_tokenizer_loss_bit_for_bit(impl):
 
 @pytest.mark.skipif(not cpu_backend.available(), reason="the C++ twin is not built")
 def test_float32_logits_through_the_fused_kernels():
+    """Logits that are a model output (not a leaf): the kernels write their gradient into the logits
+    buffer, after the ULD backward has read it (module docstring)."""
     pairs, rows = vocab_map(), teacher_rows()
-    z = student_logits(dtype=torch.float32).requires_grad_()
-    z_ref = z.detach().double().requires_grad_()
+    leaf = student_logits(dtype=torch.float32).requires_grad_()
+    z = leaf * 1.0
+    z_ref = leaf.detach().double().requires_grad_()
     loss, _ = run(z, rows, pairs, mode="gold", impl="cpp", divergence="forward_kl", mass="tail")
     ref = reference(z_ref, rows, pairs, mode="gold", divergence="forward_kl", mass="tail")
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
     loss.sum().backward()
     ref.sum().backward()
-    torch.testing.assert_close(z.grad.double(), z_ref.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(leaf.grad.double(), z_ref.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_logprobs_at_in_row_chunks(monkeypatch):

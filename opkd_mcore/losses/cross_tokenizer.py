@@ -23,9 +23,12 @@ teacher's rows on its own tokens and the `SpanIndex` pairing them with the stude
   `loss.gold_exact_weight` and `loss.gold_uld_weight`.
 
 The loss of a span sits on its first student row (later rows of the span carry 0), so a token-mean
-aggregation divides by the student's response tokens as in the same-tokenizer loss. Nothing of
-size `[N, V]` is formed beyond what `kd_loss` forms: the student's top-K and log-probabilities at
-K+1 ids (`logprobs_at`, chunked), and the teacher's top-K rows.
+aggregation divides by the student's response tokens as in the same-tokenizer loss. The forward
+forms nothing of size `[N, V]` beyond what `kd_loss` forms: the student's top-K and its
+log-probabilities at K+1 ids (`logprobs_at`, float32 one row chunk at a time), the teacher's top-K
+rows. In backward the fused kernels write the exact term's gradient into the logits buffer as for
+one tokenizer; the ULD term adds one gradient buffer of the logits' shape and dtype (its softmax
+term reaches every column of its rows), filled chunk by chunk.
 
 Shape legend: N student rows, M teacher rows, K top-k width, V_local this rank's vocabulary shard.
 """
@@ -37,7 +40,6 @@ from dataclasses import dataclass
 import torch
 
 from opkd_mcore.losses import vocab_parallel as vp
-from opkd_mcore.losses.fused import fused_kd_loss_or_none
 from opkd_mcore.losses.kd_loss import kd_loss_with_stats
 from opkd_mcore.losses.logprobs_at import logprobs_at
 from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher, teacher_topk
@@ -89,10 +91,14 @@ def cross_tokenizer_loss(student_logits: torch.Tensor, teacher: CrossTokenizerTe
         kd = dict(divergence=divergence, beta=beta, temperature=temperature, support="teacher", k=truncate,
                   mass=mass, coverage_coef=coverage_coef)
         mapped = mapped_topk(t_ids, t_lp, idx.exact_row, teacher_to_student)
-        loss, teacher_mass = _exact_loss(student_logits, mapped, kd, tp_group, impl, alone=mode == "exact")
+        loss, teacher_mass = _exact_loss(student_logits, mapped, kd, tp_group, impl)
         if mode == "exact":
             return loss, CrossTokenizerStats(exact_rows, torch.zeros_like(exact_rows), teacher_mass, zeros)
         loss = exact_weight * loss
+    # The ULD term is built after the exact one, so autograd runs its backward first (a later node,
+    # a higher sequence number): it reads the logits before the fused kernels write their gradient
+    # into the logits buffer, as they do for one tokenizer. Were the order reversed, autograd would
+    # refuse the ULD backward (the kernels bump the buffer's version), never read a gradient.
     uld_rows = (idx.span_row >= 0) & ~exact_rows
     uld = uld_distance(student_logits, t_lp, t_next, teacher, next_tokens, uld_rows, temperature, tp_group)
     return loss + uld_weight * uld, CrossTokenizerStats(exact_rows, uld_rows, teacher_mass, uld.detach())
@@ -113,19 +119,8 @@ def mapped_topk(t_ids_MK: torch.Tensor, t_lp_MK: torch.Tensor, rows_N: torch.Ten
                        torch.where(keep, lp, torch.full_like(lp, -math.inf)))
 
 
-def _exact_loss(logits, topk: TopKTeacher, kd: dict, tp_group, impl: str, alone: bool):
-    """`kd_loss` on the mapped rows: `(loss [N], teacher mass [N])`. Next to the ULD term (`alone`
-    False) the fused kernels must not write their gradient into the logits buffer, which the ULD
-    term's backward still reads."""
-    if not alone and impl != "reference":
-        fused = fused_kd_loss_or_none(logits, topk, tp_group=tp_group, inplace_grad=False, return_masses=True,
-                                      backend="auto" if impl in ("auto", "fused") else impl, **kd)
-        if fused is not None:
-            return fused[0], fused[1]
-        if impl != "auto":
-            raise ValueError(f"impl: {impl!r} was requested but no fused kernel covers this configuration "
-                             f"(dtype={logits.dtype}, device={logits.device.type})")
-        impl = "reference"
+def _exact_loss(logits, topk: TopKTeacher, kd: dict, tp_group, impl: str):
+    """`kd_loss` on the mapped rows: `(loss [N], teacher mass [N])`."""
     loss, stats = kd_loss_with_stats(logits, topk, **kd, tp_group=tp_group, impl=impl, validate=False)
     return loss, stats.teacher_mass
 
