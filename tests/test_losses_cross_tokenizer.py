@@ -299,3 +299,25 @@ def test_tp2_equals_tp1(dense):
     for rank, (tp_loss, tp_grad) in enumerate(results):
         torch.testing.assert_close(tp_loss, loss.detach(), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(tp_grad, z.grad[:, rank * 12:(rank + 1) * 12], rtol=1e-9, atol=1e-11)
+
+
+def _triton_gold(rank, world):
+    from opkd_kernels.fused_kd import LAUNCHES
+
+    pairs, rows = vocab_map(), teacher_rows()
+    leaf = student_logits(dtype=torch.float32).requires_grad_()
+    z = leaf * 1.0
+    z_ref = leaf.detach().double().requires_grad_()
+    loss, _ = run(z, rows, pairs, mode="gold", impl="triton", divergence="jsd", beta=0.3, mass="tail")
+    ref = reference(z_ref, rows, pairs, mode="gold", divergence="jsd", beta=0.3, mass="tail")
+    loss.sum().backward()
+    ref.sum().backward()
+    return loss.detach().double(), ref.detach(), leaf.grad.double(), z_ref.grad, LAUNCHES["triton"]
+
+
+def test_mapped_support_through_the_triton_kernels():
+    """The exact term on the Triton kernels (TRITON_INTERPRET=1 on CPU), in a process of its own."""
+    (loss, ref, grad, ref_grad, launches), = run_distributed(_triton_gold, 1, env={"TRITON_INTERPRET": "1"})
+    assert launches == 1
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
