@@ -35,6 +35,11 @@ def teacher_kind(teachers: list[TeacherEndpoint]) -> str:
     return teacher_output(teachers[0])
 
 
+def cross_tokenizer_mode(value: str | bool) -> str:
+    """`loss.cross_tokenizer` as a string (YAML reads a bare off as False; a bare on names no mode)."""
+    return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
+
+
 def fused_lm_head_mode(value: str | bool) -> str:
     """`loss.fused_lm_head` as "auto" | "on" | "off" (YAML reads a bare on / off as a boolean)."""
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
@@ -66,6 +71,10 @@ def lm_head_blocker(loss: LossSection, kind: str, teacher: str = "the teacher") 
     if loss.impl == "reference":
         return LmHeadBlocker("runs the fused LM-head kernels", "loss.impl: reference materialises the logits",
                              "use loss.impl: auto, or fused_lm_head: off")
+    if cross_tokenizer_mode(loss.cross_tokenizer) != "off":
+        return LmHeadBlocker("fuses the output layer into the distillation loss",
+                             f"loss.cross_tokenizer: {loss.cross_tokenizer} aligns the teacher's rows with "
+                             "the student's logits span by span", "use auto or off")
     if kind == "dense":
         return LmHeadBlocker("needs the teacher as top-k rows, an in-step megatron teacher or hidden states",
                              f"{teacher} hands over full-vocabulary logits (output: dense)",

@@ -109,17 +109,26 @@ def check_student_vocab(shape: dict | None, tok: TokenizerInfo | None) -> None:
 
 
 def check_vocab(path_key: str, teacher_vocab: int, teacher_tok: TokenizerInfo | None,
-                 student_vocab: int, student_tok: TokenizerInfo | None) -> None:
-    """The teacher can score every id the student emits, and means the same token by it.
+                student_vocab: int, student_tok: TokenizerInfo | None, cross_tokenizer: str = "off") -> None:
+    """The teacher can score every id the student emits, and means the same token by it; with
+    `loss.cross_tokenizer` set, the teacher scores its own tokenization instead, and both
+    tokenizers must be there to align the two.
 
     config.json vocab sizes are padded (Qwen2.5: 151936 or 152064 for one tokenizer), so they
     are compared only as a fallback when a tokenizer is missing.
     """
+    if cross_tokenizer != "off":
+        for who, tok in (("the student's", student_tok), ("the teacher's", teacher_tok)):
+            if tok is None:
+                raise ConfigError(f"{path_key}: loss.cross_tokenizer: {cross_tokenizer} re-tokenizes each "
+                                  f"response with the teacher's tokenizer; {who} tokenizer files are missing")
+        return
     sizes = (f"student tokenizer {student_tok.size if student_tok else '?'} tokens, "
              f"teacher vocab_size {teacher_vocab}")
+    across = "; or set loss.cross_tokenizer: exact | uld | gold to distil across tokenizers"
     if student_tok is not None and student_tok.size > min(teacher_vocab, student_vocab):
         raise ConfigError(f"{path_key}: the teacher cannot score every token the student can emit "
-                          f"({sizes})")
+                          f"({sizes}{across})")
     if student_tok is not None and teacher_tok is not None:
         differ = [tok for tok, i in student_tok.ids.items() if teacher_tok.ids.get(tok) != i]
         if differ:
@@ -127,7 +136,7 @@ def check_vocab(path_key: str, teacher_vocab: int, teacher_tok: TokenizerInfo | 
             raise ConfigError(f"{path_key}: the tokenizers differ: {len(differ)} of the student's "
                               f"tokens have another id in the teacher's (e.g. {tok!r}: student id "
                               f"{student_tok.ids[tok]}, teacher id {teacher_tok.ids.get(tok)}); "
-                              f"{sizes} (same tokenizer needed)")
+                              f"{sizes} (same tokenizer needed{across})")
     elif student_tok is None and teacher_vocab != student_vocab:
         logger.warning("%s: cannot check that the teacher's tokenizer matches the student's (no "
                        "tokenizer files); vocab_size %d (teacher) vs %d (student) may only be padding",

@@ -16,6 +16,7 @@ MASSES = ("renorm", "tail", "raw")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOSS_FORMS = ("logit", "policy_gradient")
 KL_ESTIMATORS = ("k1", "k3")
+CROSS_TOKENIZER_MODES = ("off", "exact", "uld", "gold")  # loss.cross_tokenizer
 LOSS_IMPLS = ("auto", "reference", "fused", "triton", "cpp")
 FUSED_LM_HEAD_MODES = ("auto", "on", "off")
 LM_HEAD_ENGINES = ("auto", "tiles", "chunked", "rows")
@@ -126,6 +127,16 @@ class LossSection:
     """policy-gradient form: weight of task-reward (GRPO) advantages"""
     moe_aux_loss_coef: float = 0.0
     """MoE students: router load-balancing loss weight (Megatron's aux_loss); 0 = off"""
+    cross_tokenizer: str | bool = "off"
+    """a teacher with another tokenizer: off (the vocabularies must match; YAML's bare off works) | exact |
+    uld | gold. The response
+    is re-tokenized with the teacher's tokenizer and aligned by character spans; exact: the divergence on 1:1
+    spans of the same token (teacher top-k mapped to student ids); uld: sorted-probability distance on every
+    span; gold: exact where the tokens map, uld elsewhere (docs/losses.md, "Across tokenizers")"""
+    gold_exact_weight: float = 1.0
+    """cross_tokenizer: gold: weight of the exact term (1:1 spans of the same token)"""
+    gold_uld_weight: float = 1.0
+    """cross_tokenizer: gold: weight of the ULD term (the other spans)"""
 
 
 @dataclass(kw_only=True)
@@ -163,7 +174,8 @@ class TeacherEndpoint:
     backend: str = "vllm"
     """vllm (in-process) | remote (OpenAI server) | hf (transformers): top-k; megatron: dense"""
     model: str = ""
-    """HF checkpoint directory (vllm, megatron)"""
+    """HF checkpoint directory (vllm, megatron, hf; remote: for output: hidden, or the teacher's tokenizer
+    with loss.cross_tokenizer)"""
     url: str | None = None
     """base URL of the OpenAI server (remote)"""
     top_k: int = 16

@@ -20,7 +20,13 @@ from opkd_mcore.config.checks import (
     seed_in_range,
 )
 from opkd_mcore.config.errors import ConfigError
-from opkd_mcore.config.loss_rules import fused_lm_head_mode, lm_head_blocker, teacher_kind, teacher_output
+from opkd_mcore.config.loss_rules import (
+    cross_tokenizer_mode,
+    fused_lm_head_mode,
+    lm_head_blocker,
+    teacher_kind,
+    teacher_output,
+)
 from opkd_mcore.config.model_checks import (
     TokenizerInfo,
     check_context,
@@ -61,6 +67,7 @@ from opkd_mcore.config.schema import (
     TeacherEndpoint,
     TrainConfig,
 )
+from opkd_mcore.config.tokenizer_rules import check_cross_tokenizer
 from opkd_mcore.platform.device import DEVICE_TYPES, device_type, is_cpu
 
 logger = logging.getLogger(__name__)
@@ -131,7 +138,8 @@ def _check_teacher_model(cfg: TrainConfig, path: str, t: TeacherEndpoint, studen
     student_tok = load_tokenizer_info("model.student", cfg.model.student, tokenizers)
     teacher_tok = load_tokenizer_info(f"{path}.model", t.model, tokenizers)
     # a dense teacher may have more rows (padding): the trainer keeps the student's ids only
-    check_vocab(f"{path}.model", shape["vocab"], teacher_tok, student_shape["vocab"], student_tok)
+    check_vocab(f"{path}.model", shape["vocab"], teacher_tok, student_shape["vocab"], student_tok,
+                cross_tokenizer_mode(cfg.loss.cross_tokenizer))
 
 
 def _check_teachers(cfg: TrainConfig, student_shape: dict | None, tokenizers: dict,
@@ -465,5 +473,6 @@ def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfi
     check_context("model.student", cfg.model.student, student_shape, cfg.rollout.max_model_len)
     _check_teachers(cfg, student_shape, tokenizers, check_files)
     _check_loss(cfg, student_shape)
+    check_cross_tokenizer(cfg, tokenizers)
     check_parallel(cfg, student_shape)
     return cfg

@@ -1,4 +1,4 @@
-"""`opkd demo [--quick] [--out DIR] [--overwrite]`: on-policy distillation end to end on a CPU.
+"""`opkd demo [--quick] [--variant V] [--out DIR] [--overwrite]`: on-policy distillation end to end on a CPU.
 
 Nothing is downloaded.
 
@@ -14,6 +14,8 @@ Nothing is downloaded.
 On an accelerator (`--device`, or auto-detected) the teacher runs inside the student's step
 (`backend: megatron`) with the same top-k objective from its dense logits: for a model this small a
 second vLLM engine's start-up and its per-step scoring call are most of the wall time there.
+
+`--variant cross_tokenizer`: the teacher has another tokenizer (`demo/cross_tokenizer.py`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from opkd_mcore.config import ConfigError, TrainConfig, load_config
 from opkd_mcore.config.schema import OptimSection
 from opkd_mcore.data import ALPHABET, AdditionTask, encode_prompt
+from opkd_mcore.demo.cross_tokenizer import CROSS_ARTIFACTS, glued_operator_tokenizer, heldout_kl_across
 from opkd_mcore.demo.evaluate import (
     answer_ids,
     hf_greedy_accuracy,
@@ -95,12 +98,17 @@ def accelerator_overrides(top_k: int) -> list[str]:
     return ["teacher.teachers.0.backend=megatron", "teacher.teachers.0.dtype=auto", f"loss.k={top_k}"]
 
 
+VARIANTS = ("default", "cross_tokenizer")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="opkd demo", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small and short (CI): 1-digit addition")
     p.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier demo's output in --out (only the files a demo writes)")
+    p.add_argument("--variant", default="default", choices=VARIANTS,
+                   help="cross_tokenizer: the teacher has another tokenizer (loss.cross_tokenizer: gold)")
     p.add_argument("--device", default=None, choices=DEVICE_TYPES,
                    help="where the teacher SFT, the student and the vLLM engines run (default: auto-detect)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the distillation config")
@@ -177,10 +185,10 @@ def distill(cfg, held_out: list[dict], demo: DemoConfig) -> list[dict]:
     return train(cfg, step_hook=evaluate)
 
 
-def prepare_demo_dir(out: str, overwrite: bool) -> None:
+def prepare_demo_dir(out: str, overwrite: bool, extra: tuple[str, ...] = ()) -> None:
     """Refuse an `out` holding an earlier demo's or run's output, or with `overwrite` remove exactly
-    that output; before anything is built."""
-    patterns = DEMO_ARTIFACTS + RUN_ARTIFACTS
+    that output (and a variant's `extra` artifacts); before anything is built."""
+    patterns = DEMO_ARTIFACTS + RUN_ARTIFACTS + extra
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--out: {out} is an existing file; expected a directory")
     found = find_artifacts(out, patterns)
@@ -221,21 +229,69 @@ def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = Non
     t_sft = time.perf_counter() - t_sft
     prune_mlp(paths["teacher_hf"], paths["student_init"], demo.student_mlp)
     cfg = load_config(demo_config_path(), overrides)  # validated now that the teacher checkpoint exists
+    return _evaluate_and_distill(cfg, demo, paths, held_out, out, start, t_sft)
+
+
+def cross_tokenizer_demo(quick: bool) -> DemoConfig:
+    """The main demo's sizes (`--quick`: its quick ones) with `loss.cross_tokenizer: gold`; the teacher
+    stays a scoring teacher on an accelerator too."""
+    demo = quick_demo() if quick else DemoConfig()
+    demo.in_step_teacher_on_accelerator = False
+    demo.overrides = [*demo.overrides, "loss.cross_tokenizer=gold"]
+    return demo
+
+
+def run_cross_tokenizer_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = None, *,
+                             overwrite: bool = False, glued: str = "+=") -> dict:
+    """The cross-tokenizer variant into `out` (`demo/cross_tokenizer.py`): a char-level model trained
+    and cut into the student, a teacher trained with its own tokenizer (`glued`: the operators it
+    glues to the next digit), the distillation across them."""
+    start = time.perf_counter()
+    out = os.path.abspath(out)
+    prepare_demo_dir(out, overwrite, extra=CROSS_ARTIFACTS)
+    paths = {name: os.path.join(out, name) for name in ("teacher_init", "teacher_hf", "char_init", "char_hf",
+                                                        "student_init", "student_hf")}
+    overrides = [f"model.student={paths['student_init']}", f"teacher.teachers.0.model={paths['teacher_hf']}",
+                 f"run.output_dir={out}", f"data.task_digits={demo.digits}", f"data.num_eval={demo.num_eval}",
+                 *demo.overrides, *(extra_overrides or [])]
+    cfg = load_config(demo_config_path(), overrides, validate=False)
+    _, train_records, held_out = make_task(demo, cfg.data)
+    os.makedirs(out, exist_ok=True)
+    write_eval_file(os.path.join(out, "eval.jsonl"), held_out)
+    t_sft = time.perf_counter()
+    save_tiny_hf_model(paths["char_init"], "qwen3", demo.teacher, seed=cfg.run.seed, alphabet=ALPHABET)
+    train_teacher(demo, paths["char_init"], paths["char_hf"], train_records,
+                  os.path.join(out, "char_sft.jsonl"))
+    prune_mlp(paths["char_hf"], paths["student_init"], demo.student_mlp)
+    save_tiny_hf_model(paths["teacher_init"], "qwen3", demo.teacher, seed=cfg.run.seed + 1,
+                       tokenizer=glued_operator_tokenizer(glued))
+    train_teacher(demo, paths["teacher_init"], paths["teacher_hf"], train_records,
+                  os.path.join(out, "teacher_sft.jsonl"))
+    t_sft = time.perf_counter() - t_sft
+    cfg = load_config(demo_config_path(), overrides)  # validated now that both checkpoints exist
+    variant = {"variant": "cross_tokenizer", "cross_tokenizer": cfg.loss.cross_tokenizer}
+    return _evaluate_and_distill(cfg, demo, paths, held_out, out, start, t_sft, kl=heldout_kl_across,
+                                 extra=variant)
+
+
+def _evaluate_and_distill(cfg, demo: DemoConfig, paths: dict, held_out: list[dict], out: str, start: float,
+                          t_sft: float, *, kl=hf_heldout_kl, extra: dict | None = None) -> dict:
+    """Accuracy and KL before, the distillation, accuracy and KL after; `summary.json`, the plot."""
     max_new = len(held_out[0]["answer"]) + 1
     teacher_acc, _ = hf_greedy_accuracy(paths["teacher_hf"], held_out, max_new)
     before_acc, _ = hf_greedy_accuracy(paths["student_init"], held_out, max_new)
-    kl_before = hf_heldout_kl(paths["teacher_hf"], paths["student_init"], held_out)
+    kl_before = kl(paths["teacher_hf"], paths["student_init"], held_out)
     t_distill = time.perf_counter()
     history = distill(cfg, held_out, demo)
     t_distill = time.perf_counter() - t_distill
-    after_acc, predictions = hf_greedy_accuracy(paths["student_hf"], held_out, max_new)
-    kl_after = hf_heldout_kl(paths["teacher_hf"], paths["student_hf"], held_out)
+    after_acc, _ = hf_greedy_accuracy(paths["student_hf"], held_out, max_new)
+    kl_after = kl(paths["teacher_hf"], paths["student_hf"], held_out)
     summary = {
         "teacher_accuracy": teacher_acc, "student_accuracy_before": before_acc,
         "student_accuracy_after": after_acc, "kl_before": kl_before, "kl_after": kl_after,
         "seconds": time.perf_counter() - start, "seconds_teacher_sft": t_sft, "seconds_distill": t_distill,
         "distill_steps": len(history), "task": f"{demo.digits}-digit addition",
-        "num_eval": len(held_out), "timing_means": _timing_means(history),
+        "num_eval": len(held_out), "timing_means": _timing_means(history), **(extra or {}),
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -256,13 +312,19 @@ def _timing_means(history: list[dict]) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    demo = quick_demo() if args.quick else DemoConfig()
     overrides = list(args.overrides)
     if args.device:
         os.environ["OPKD_DEVICE"] = args.device  # the teacher SFT and every engine follow it
         overrides.insert(0, f"run.device={args.device}")
     try:
-        run_demo(demo, args.out, overrides, overwrite=args.overwrite)
+        if args.variant == "cross_tokenizer":
+            # --quick: 80 one-digit problems are too few for a teacher to learn ten "+d" tokens (it
+            # memorises them, 0% held-out); "=" alone is glued, which no prompt has before a digit
+            run_cross_tokenizer_demo(cross_tokenizer_demo(args.quick), args.out, overrides,
+                                     overwrite=args.overwrite, glued="=" if args.quick else "+=")
+        else:
+            demo = quick_demo() if args.quick else DemoConfig()
+            run_demo(demo, args.out, overrides, overwrite=args.overwrite)
     except ConfigError as err:  # the message names the option or key; a traceback adds nothing
         print(f"opkd demo: error: {err}", file=sys.stderr)
         return 2

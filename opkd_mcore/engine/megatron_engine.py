@@ -42,7 +42,14 @@ from opkd_mcore.engine.lm_head import LmHeadInput, gpt_model, hidden_output, hid
 from opkd_mcore.engine.moe_stats import MoeStepStats
 from opkd_mcore.engine.optim import build_optimizer, clip_and_step, ddp_config
 from opkd_mcore.engine.packing import PackedBatch, pad_for_pipeline
-from opkd_mcore.engine.teacher_in_step import PairedChunk, paired_chunks, unpair
+from opkd_mcore.engine.teacher_in_step import (
+    PairedChunk,
+    paired_chunks,
+    teacher_packing,
+    unpair,
+    with_teacher_logits,
+)
+from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher
 from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, MalformedTeacherOutputError
 from opkd_mcore.models.builder import layout_of
 
@@ -78,7 +85,7 @@ class MegatronEngine:
         self.num_steps = 0
         self.num_skipped_steps = 0  # steps whose loss or gradient norm was not finite
         self.teacher = teacher  # InStepTeacher or None
-        if teacher is not None and self.vocab_size is not None:
+        if teacher is not None and self.vocab_size is not None and not teacher.own_vocabulary:
             teacher.vocab_size = min(teacher.vocab_size, self.vocab_size)
         # Pipeline stages exchange activations of one fixed shape: every micro-batch of a step is
         # padded to the longest (Megatron's shape exchange for variable lengths deadlocks in the
@@ -186,18 +193,32 @@ class MegatronEngine:
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group(), trainable=False)
         return HiddenTeacher(rows.detach().to(dtype), output_weight(gpt).detach().to(dtype), self.teacher.vocab_size)
 
+    def _teacher_input(self, packing: PackedBatch, length: int):
+        """(tokens [1, M], position_ids [1, M], packed_seq_params) of the teacher's own packing, on
+        the device, padded to the pipeline's `length` like the student's input."""
+        packing = (pad_for_pipeline(packing, length) if self.pipelined else packing).to(self.device)
+        return packing.tokens.unsqueeze(0), packing.position_ids.unsqueeze(0), packing.packed_seq_params()
+
     def _forward_step_func(self, loss_fn: LossFn | None, fused_head: bool = False):
         """Megatron's forward_step_func: returns (output, loss closure) for one micro-batch; with
         `fused_head` the last stage hands `loss_fn` an `LmHeadInput` instead of logits."""
 
         def forward_step(data_iterator, model):
             batch, model_input = next(data_iterator)
+            own = teacher_packing(batch) if isinstance(model, PairedChunk) else None
+            if isinstance(model, PairedChunk):  # a teacher with another tokenizer reads its own tokens
+                model.teacher_input = None if own is None else self._teacher_input(own,
+                                                                                   model_input.num_tokens)
             batch, model_input = batch.to(self.device), model_input.to(self.device)
             output = self._run_model(model, model_input, hidden=fused_head)
             if isinstance(output, tuple):  # last stage of a step with the teacher in it
                 output, teacher_out = output
                 batch = copy.copy(batch)  # the engine's own copy: the caller's batch is not changed
-                if fused_head:
+                if own is not None:
+                    rows = self._mask_padding(self._rows(teacher_out, batch.teacher.tokens.numel()),
+                                              self.teacher.vocab_size)
+                    batch.teacher = with_teacher_logits(batch.teacher, rows)
+                elif fused_head:
                     batch.teacher = self._teacher_hidden(model, teacher_out, batch.num_tokens, output.dtype)
                 else:
                     teacher_logits = self._rows(teacher_out, batch.num_tokens)
@@ -240,7 +261,8 @@ class MegatronEngine:
         if len(self.model) > 1 and len(micro_batches) < pp:
             raise ValueError(f"micro_batches: the interleaved pipeline ({len(self.model)} chunks per stage) "
                              f"needs at least pp={pp} micro-batches, got {len(micro_batches)}")
-        seq_length = max(mb.num_tokens for mb in micro_batches)
+        # a teacher with its own tokens (cross-tokenizer) shares the pipeline's one activation shape
+        seq_length = max(max(mb.num_tokens, _teacher_tokens(mb)) for mb in micro_batches)
         inputs = [pad_for_pipeline(mb, seq_length) if self.pipelined else mb for mb in micro_batches]
         # one iterator per VPP chunk: every chunk reads the same micro-batches in the same order
         iterators = [iter(list(zip(micro_batches, inputs))) for _ in self.model]
@@ -363,6 +385,11 @@ class MegatronEngine:
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         for chunk in self.model:
             yield from chunk.parameters()
+
+
+def _teacher_tokens(batch: PackedBatch) -> int:
+    """Tokens of the teacher's own packing of `batch` (0 when it reads the student's)."""
+    return int(batch.teacher.tokens.numel()) if isinstance(batch.teacher, CrossTokenizerTeacher) else 0
 
 
 def _vocab_sizes(model_chunks, mask_vocab_padding: bool) -> tuple[int | None, int | None]:

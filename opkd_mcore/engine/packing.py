@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher, SpanIndex
 from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, TopKTeacher
 
 
@@ -28,7 +29,7 @@ class PackedBatch:
     position_ids: torch.Tensor  # [T] int64, restarts at 0 for every sequence
     cu_seqlens: torch.Tensor  # [B+1] int32 cumulative sequence lengths, cu_seqlens[0] = 0
     loss_mask: torch.Tensor  # [T] float32, 1 where position t predicts a response token t+1
-    teacher: DenseTeacher | TopKTeacher | None = None  # per-token teacher rows (row t scores t+1)
+    teacher: DenseTeacher | TopKTeacher | CrossTokenizerTeacher | None = None  # row t scores t+1
     sampler_logprobs: torch.Tensor | None = None  # [T] logprob of token t+1 under the rollout sampler
     sequence_weights: torch.Tensor | None = None  # [B] per-sequence weights (e.g. teacher confidence)
     task_advantages: torch.Tensor | None = None  # [T] task-reward advantage of the sequence, on its response rows
@@ -98,7 +99,7 @@ class PackedBatch:
         def move(x):
             if isinstance(x, torch.Tensor):
                 return x.to(device, non_blocking=True)
-            if isinstance(x, (DenseTeacher, TopKTeacher, HiddenTeacher)):
+            if isinstance(x, (DenseTeacher, TopKTeacher, HiddenTeacher, CrossTokenizerTeacher, SpanIndex)):
                 return dataclasses.replace(x, **{f.name: move(getattr(x, f.name))
                                                  for f in dataclasses.fields(x)})
             return x
@@ -112,6 +113,8 @@ class PackedBatch:
 
 
 def _teacher_rows(teacher) -> int:
+    if isinstance(teacher, CrossTokenizerTeacher):  # one row per student token, its own rows apart
+        return teacher.num_rows
     first = (teacher.logits if isinstance(teacher, DenseTeacher)
              else teacher.hidden if isinstance(teacher, HiddenTeacher) else teacher.ids)
     return int(first.shape[0])

@@ -14,12 +14,23 @@ messages and in the same order; the teacher half is detached, so its gradient is
 The teacher's TP-sharded logits therefore appear on the rank that computes the student's loss for
 the same vocabulary shard, one micro-batch at a time (as many as the pipeline has in flight), and
 nothing dense crosses ranks or processes.
+
+A teacher with another tokenizer (`loss.cross_tokenizer`) runs on its own tokens: the micro-batch's
+`CrossTokenizerTeacher` carries the teacher-side sequences, packed like the student's; every stage
+runs the teacher chunk on that packing (`teacher_packing`), both padded to one length under a
+pipeline so the two hidden states still travel as one tensor, and the last stage's teacher logits
+(over the teacher's own vocabulary, sharded like the student's) become the rows the loss aligns.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
+
+from opkd_mcore.engine.packing import PackedBatch
+from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher
+from opkd_mcore.losses.teacher_outputs import DenseTeacher
 
 
 class InStepTeacher:
@@ -27,12 +38,15 @@ class InStepTeacher:
 
     `vocab_size`: ids at or above it get probability 0 in the teacher's logits (the student's
     vocabulary: the loss compares distributions over the ids the student can emit).
+    `own_vocabulary`: the teacher's ids are its own tokenizer's (`loss.cross_tokenizer`):
+    `vocab_size` is then the teacher's vocabulary, kept whatever the student's.
     """
 
-    def __init__(self, teacher, *, vocab_size: int):
+    def __init__(self, teacher, *, vocab_size: int, own_vocabulary: bool = False):
         self.teacher = teacher  # opkd_mcore.teacher.megatron_teacher.MegatronTeacher
         self.chunks = teacher.engine.model
         self.vocab_size = vocab_size
+        self.own_vocabulary = own_vocabulary
         self.hidden_size = self.chunks[0].config.hidden_size
         self.name = teacher.address
 
@@ -71,6 +85,9 @@ class PairedChunk(torch.nn.Module):
             config.hidden_size = student_hidden + teacher_hidden
         self.config = config
         self.post_process = _unwrap(student).post_process
+        # the teacher's own packing, (tokens [1, M], position_ids [1, M], packed_seq_params), set per
+        # micro-batch by the engine; None: the teacher reads the student's tokens
+        self.teacher_input = None
 
     def set_input_tensor(self, input_tensor) -> None:
         tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
@@ -87,7 +104,12 @@ class PairedChunk(torch.nn.Module):
         """Last stage: (student logits, teacher logits); other stages: the concatenated hidden."""
         student_out = self.module(*args, **kwargs)
         with torch.no_grad():
-            teacher_out = self.teacher[0](*args, **kwargs)
+            if self.teacher_input is None:
+                teacher_out = self.teacher[0](*args, **kwargs)
+            else:
+                tokens, positions, params = self.teacher_input
+                teacher_out = self.teacher[0](tokens, positions, attention_mask=None,
+                                              packed_seq_params=params)
         if self.post_process:
             return student_out, teacher_out
         return torch.cat([student_out, teacher_out.to(student_out.dtype)], dim=-1)
@@ -97,6 +119,25 @@ def _unwrap(module):
     while hasattr(module, "module") and not hasattr(module, "decoder"):
         module = module.module
     return module
+
+
+def teacher_packing(batch: PackedBatch) -> PackedBatch | None:
+    """The teacher-side sequences of a micro-batch whose teacher has its own tokens, packed as the
+    model reads them; None when the teacher reads the student's tokens."""
+    teacher = batch.teacher
+    if not isinstance(teacher, CrossTokenizerTeacher):
+        return None
+    cu = teacher.cu_seqlens
+    lengths = (cu[1:] - cu[:-1]).long()
+    starts = torch.repeat_interleave(cu[:-1].long(), lengths)
+    positions = torch.arange(teacher.tokens.numel(), dtype=torch.int64) - starts
+    return PackedBatch(tokens=teacher.tokens, position_ids=positions, cu_seqlens=cu,
+                       loss_mask=torch.zeros(teacher.tokens.numel(), dtype=torch.float32))
+
+
+def with_teacher_logits(teacher: CrossTokenizerTeacher, logits_local: torch.Tensor) -> CrossTokenizerTeacher:
+    """The cross-tokenizer teacher with the step's dense rows `[M, V_local]` filled in."""
+    return dataclasses.replace(teacher, rows=DenseTeacher(logits_local))
 
 
 def paired_chunks(student_chunks: list, teacher: InStepTeacher, config) -> list[PairedChunk]:

@@ -31,6 +31,7 @@ from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.loss_rules import (
     HIDDEN_STATE_KINDS,
     TEACHER_KINDS,
+    cross_tokenizer_mode,
     fused_lm_head_mode,
     lm_head_blocker,
 )
@@ -98,6 +99,9 @@ class LossPlan:
         o = self.objective
         objective = (f"{o.divergence}, beta {o.beta}, temperature {o.temperature}, support {o.support}, "
                      f"k {o.k}, mass {o.mass}, coverage_coef {o.coverage_coef}")
+        across = cross_tokenizer_mode(self.loss.cross_tokenizer)
+        if across != "off":   # a teacher with another tokenizer: the loss over aligned spans
+            objective += f", cross_tokenizer {across}"
         return (f"loss plan ({self.device}, {str(self.dtype).removeprefix('torch.')}, teacher: "
                 f"{self.teacher_kind}): loss: {logits} [{self.logits_reason}]; loss.fused_lm_head: {head}; "
                 f"objective: {objective}")

@@ -117,13 +117,14 @@ def tiny_hf_config(family: str, shape: TinyModelShape, tokenizer=None):
 
 def save_tiny_hf_model(out_dir: str, family: str = "qwen3", shape: TinyModelShape | None = None,
                        seed: int = 0, alphabet: str = "0123456789+= ", init_std: float = 0.02,
-                       dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                       dtype: torch.dtype = torch.float32, device: str = "cpu", tokenizer=None):
     """Write a random-weight HF checkpoint (safetensors + config + char tokenizer) to `out_dir`
-    (`device`: where the random init runs; an accelerator makes an 8B-shaped model in seconds)."""
+    (`device`: where the random init runs; an accelerator makes an 8B-shaped model in seconds).
+    `tokenizer`: a fast tokenizer to save instead of the char tokenizer of `alphabet`."""
     from transformers import AutoModelForCausalLM
 
     shape = shape or TinyModelShape()
-    tokenizer = make_char_tokenizer(alphabet)
+    tokenizer = tokenizer if tokenizer is not None else make_char_tokenizer(alphabet)
     config = tiny_hf_config(family, shape, tokenizer)
     config.initializer_range = init_std
     config.torch_dtype = dtype

@@ -112,7 +112,7 @@ def encode_prompts(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, dataset
     """Token ids, routed data and sampling seeds of the prompts `indices`, drawn as batch
     `batch_number` (the step, in order); the Ray controller draws its prompts through this too."""
     data = [route_data(cfg, {"data_source": dataset.data_source(i), "answer": dataset.answer(i),
-                             "prompt": dataset.prompt(i)}) for i in indices]
+                             "prompt": dataset.prompt(i), "messages": dataset.messages(i)}) for i in indices]
     ids = [encode_record(tokenizer, dataset, i, cfg.data.chat_template) for i in indices]
     seeds = [sample_seed(cfg.rollout.seed, batch_number, j) for j in range(len(indices))]
     return stages.PromptBatch(indices=list(indices), prompt_ids=ids, data=data, seeds=seeds)

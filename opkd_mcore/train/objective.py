@@ -14,15 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
+from opkd_mcore.config.loss_rules import cross_tokenizer_mode
 from opkd_mcore.config.schema import LossSection
 from opkd_mcore.engine.lm_head import LmHeadInput
 from opkd_mcore.engine.packing import PackedBatch
 from opkd_mcore.losses import (
+    CrossTokenizerTeacher,
     DenseTeacher,
     HiddenTeacher,
     TopKTeacher,
     aggregate,
     aggregate_row_weights,
+    cross_tokenizer_loss,
     kd_loss_with_stats,
     linear_kd_loss_weighted,
     linear_kd_loss_with_stats,
@@ -87,6 +90,8 @@ def make_loss_fn(plan: LossPlan, counts: StepCounts, tp_group=None):
             batch = copy.copy(batch)
             batch.teacher = DenseTeacher(hidden_teacher_logits(batch.teacher, tp_group, dtype=logits_local.dtype))
             return loss_fn(logits_local, batch)
+        elif isinstance(batch.teacher, CrossTokenizerTeacher):  # a teacher with another tokenizer
+            per_token, metrics = _cross_tokenizer_kd(logits_local, batch, plan, tp_group)
         elif loss.form == "policy_gradient":
             per_token, metrics = _policy_gradient(logits_local, batch, loss)
         else:
@@ -144,6 +149,21 @@ def _distribution_kd(logits, batch, plan: LossPlan, tp_group):
         metrics["teacher/top1_agreement"] = _top1_agreement(batch.teacher.logits, batch, tp_group)
         metrics["teacher/nonfinite_rows"] = _nonfinite_rows(batch.teacher.logits, tp_group)
     return per_token, metrics
+
+
+def _cross_tokenizer_kd(logits, batch, plan: LossPlan, tp_group):
+    """The loss over aligned spans (`losses/cross_tokenizer.py`); metrics: the share of response
+    tokens under each term, the exact term's teacher mass on the mapped ids, the ULD distance."""
+    loss, teacher = plan.loss, batch.teacher
+    kd = plan.kd_kwargs()
+    per_token, stats = cross_tokenizer_loss(
+        logits, teacher, _next_tokens(batch), teacher.teacher_to_student,
+        mode=cross_tokenizer_mode(loss.cross_tokenizer),
+        divergence=kd["divergence"], beta=kd["beta"], temperature=kd["temperature"], mass=kd["mass"],
+        coverage_coef=kd["coverage_coef"], k=kd["k"], exact_weight=loss.gold_exact_weight,
+        uld_weight=loss.gold_uld_weight, tp_group=tp_group, impl=plan.kd_impl)
+    return per_token, {"xtok/exact_rows": stats.exact_rows.float(), "xtok/uld_rows": stats.uld_rows.float(),
+                       "xtok/exact_teacher_mass": stats.teacher_mass, "xtok/uld": stats.uld}
 
 
 @torch.no_grad()

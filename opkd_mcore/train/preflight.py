@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 from opkd_mcore.config import ConfigError
-from opkd_mcore.config.loss_rules import teacher_output
-from opkd_mcore.config.model_checks import TOKENIZER_FILES, model_shape
+from opkd_mcore.config.loss_rules import cross_tokenizer_mode, teacher_output
+from opkd_mcore.config.model_checks import TOKENIZER_FILES, load_tokenizer_info, model_shape
 from opkd_mcore.config.schema import ParallelSection, TeacherEndpoint, TrainConfig
 from opkd_mcore.models import get_bridge, load_hf_config
 from opkd_mcore.teacher.base import TeacherError
@@ -118,7 +118,8 @@ def _check_data(cfg: TrainConfig) -> None:
 
 
 def _check_servers(cfg: TrainConfig) -> list[str]:
-    """Each server of each remote teacher, asked once: what it serves, and whether it can score."""
+    """Each server of each remote teacher, asked once: what it serves, and whether it can score (every
+    id the student can emit; across tokenizers, every id of the teacher's own tokenizer)."""
     shape = model_shape("model.student", cfg.model.student, check_files=True)
     student_vocab = shape["vocab"] if shape else None
     errors = []
@@ -126,6 +127,8 @@ def _check_servers(cfg: TrainConfig) -> list[str]:
         if t.backend != "remote":
             continue
         path = f"teacher.teachers.{i}"
+        if cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off":
+            student_vocab = load_tokenizer_info(f"{path}.model", t.model, {}).size
         urls = [(f"{path}.url", t.url)]
         urls += [(f"{path}.replica_urls.{j}", url) for j, url in enumerate(t.replica_urls)]
         for key, url in urls:

@@ -27,9 +27,11 @@ from opkd_mcore.engine.micro_batches import micro_batch_groups
 from opkd_mcore.engine.packing import PackedBatch, pack_sequences
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, teacher_confidence_scores, teacher_confidence_weights
 from opkd_mcore.losses.plan import LossPlan
+from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher, concat_cross_teachers
 from opkd_mcore.losses.teacher_outputs import PAD_ID, HiddenTeacher
 from opkd_mcore.rollout import Sample, SamplingConfig, VllmRollout
 from opkd_mcore.teacher.base import SampleScorer, TeacherOutput
+from opkd_mcore.teacher.cross_tokenizer import CrossTokenizerScorer
 from opkd_mcore.train.objective import StepCounts, make_loss_fn
 from opkd_mcore.weight_sync.engine_link import SpmdWeightSync
 
@@ -88,6 +90,9 @@ def teacher_stage(teacher: SampleScorer | None, batch: RolloutBatch) -> ScoredBa
     start = time.perf_counter()
     if teacher is None:
         return ScoredBatch(samples=batch.samples, teacher=[None] * len(batch.samples))
+    if isinstance(teacher, CrossTokenizerScorer):  # another tokenizer: it re-tokenizes the samples
+        return ScoredBatch(samples=batch.samples, teacher=teacher.score_rollout(batch.samples),
+                           seconds=time.perf_counter() - start)
     rows = teacher.score_samples([s.sequence for s in batch.samples], [s.data for s in batch.samples])
     return ScoredBatch(samples=batch.samples, teacher=rows, seconds=time.perf_counter() - start)
 
@@ -115,8 +120,8 @@ def _pad_teacher_rows(out, shard: "ShardLayout"):
 
     A dense teacher's columns past the student's vocabulary (its own padding) are dropped or get
     probability 0: the loss compares the two distributions over the ids the student can emit."""
-    if out is None:
-        return None
+    if out is None or isinstance(out, CrossTokenizerTeacher):  # a cross-tokenizer one is laid out already
+        return out
     if isinstance(out, HiddenTeacher):  # hidden states: this rank's shard of the teacher's output weight
         hidden = torch.cat([out.hidden, out.hidden.new_zeros(1, out.hidden.shape[1])])
         return HiddenTeacher(hidden=hidden, weight=shard.teacher_weight, vocab_size=shard.teacher_vocab)
@@ -137,6 +142,8 @@ def _pad_teacher_rows(out, shard: "ShardLayout"):
 def _concat_teacher(rows: list):
     if rows[0] is None:
         return None
+    if isinstance(rows[0], CrossTokenizerTeacher):
+        return concat_cross_teachers(rows)
     if isinstance(rows[0], HiddenTeacher):
         return HiddenTeacher(torch.cat([r.hidden for r in rows]), rows[0].weight, rows[0].vocab_size)
     if isinstance(rows[0], TopKTeacher):

@@ -14,8 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+
 from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
-from opkd_mcore.losses import HiddenTeacher, TopKTeacher
+from opkd_mcore.losses import CrossTokenizerTeacher, HiddenTeacher, TopKTeacher
+from opkd_mcore.losses.span_teacher import exact_top1_agreement
 from opkd_mcore.rollout import Sample, SamplingConfig
 from opkd_mcore.train.samples_log import SampleRecord, default_teacher_name
 from opkd_mcore.train.stages import ScoredBatch
@@ -37,6 +40,10 @@ def rollout_metrics(scored: ScoredBatch) -> dict[str, float]:
         # scored inside the student's step, or hidden states whose logits exist only in the fused
         # LM-head loss: the loss measures agreement there
         if rows is None or isinstance(rows, HiddenTeacher):
+            continue
+        if isinstance(rows, CrossTokenizerTeacher):  # another tokenizer: on the spans of one same token
+            hits, compared = exact_top1_agreement(rows, torch.tensor(sample.sequence[1:] + [-1]))
+            agree, total = agree + hits, total + compared
             continue
         if not isinstance(rows, TopKTeacher):
             top1 = rows.logits.argmax(-1)

@@ -6,16 +6,21 @@
 * A `megatron` teacher is a `MegatronTeacher` inside the SPMD job, on the student's parallel
   groups, run micro-batch by micro-batch inside the student's step (`engine/teacher_in_step.py`):
   its TP-sharded logits never leave the rank that uses them.
+* With `loss.cross_tokenizer` the run's one teacher is wrapped in a `CrossTokenizerScorer` (rank 0):
+  it re-tokenizes each sample for the teacher and pairs the two sides by span; a megatron teacher
+  then still runs in the step, on the teacher-side tokens the wrapper built.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 
+from opkd_mcore.config.loss_rules import cross_tokenizer_mode
 from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
 from opkd_mcore.config.validate import teacher_output
 from opkd_mcore.engine.teacher_in_step import InStepTeacher
 from opkd_mcore.models import TORCH_DTYPES, load_hf_config
+from opkd_mcore.teacher.cross_tokenizer import CrossTokenizerScorer
 from opkd_mcore.teacher.hf_teacher import TransformersTeacher
 from opkd_mcore.teacher.hidden_states import load_output_weight_shard
 from opkd_mcore.teacher.megatron_teacher import MegatronTeacher, MegatronTeacherConfig
@@ -75,7 +80,10 @@ def _replicas(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None) -
 
 def build_scoring_teacher(cfg: TrainConfig, student_vocab: int | None = None):
     """Rank 0's teacher: one teacher, a router over several (by data source) and their replicas,
-    or None when the run's teacher is a `megatron` one (scored inside the step)."""
+    or None when the run's teacher is a `megatron` one (scored inside the step); across tokenizers
+    the `CrossTokenizerScorer` around the run's one teacher."""
+    if cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off":
+        return cross_tokenizer_scorer(cfg)
     if in_step_endpoint(cfg) is not None:
         return None
     teachers = cfg.teacher.teachers
@@ -87,20 +95,43 @@ def build_scoring_teacher(cfg: TrainConfig, student_vocab: int | None = None):
     return TeacherRouter(by_name, field="teacher", default=default)
 
 
+def cross_tokenizer_scorer(cfg: TrainConfig) -> CrossTokenizerScorer:
+    """The run's one teacher (validation allows one) behind the re-tokenizing wrapper; a megatron
+    teacher scores in the step, so the wrapper then only builds its sequences."""
+    from transformers import AutoTokenizer
+
+    t = cfg.teacher.teachers[0]
+    teacher_tok = AutoTokenizer.from_pretrained(t.model)
+    inner = None
+    if t.backend != "megatron":   # the server must accept every teacher id the wrapper may send
+        replicas = _replicas(t, cfg, len(teacher_tok))
+        inner = replicas[0] if len(replicas) == 1 else TeacherRouter({t.name: replicas}, field="teacher",
+                                                                     default=t.name)
+    return CrossTokenizerScorer(inner, AutoTokenizer.from_pretrained(cfg.model.student), teacher_tok,
+                                chat_template=cfg.data.chat_template, name=t.name, k=cfg.loss.k,
+                                temperature=cfg.loss.temperature,
+                                max_len=cfg.rollout.max_model_len if t.backend == "vllm" else None)
+
+
 def build_in_step_teacher(cfg: TrainConfig, padded_vocab: int, student_vocab: int):
-    """The run's `megatron` teacher on this rank (collective: every rank calls it), or None."""
+    """The run's `megatron` teacher on this rank (collective: every rank calls it), or None. Across
+    tokenizers it keeps its own vocabulary (its logits are aligned with the student's after the step)."""
     t = in_step_endpoint(cfg)
     if t is None:
         return None
     import torch
 
+    own = cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off"
+    vocab = load_hf_config(t.model).vocab_size if own else student_vocab
+
     teacher = MegatronTeacher(t.model, MegatronTeacherConfig(
         params_dtype=getattr(torch, cfg.model.params_dtype), offload_between_calls=t.offload,
         padded_vocab=padded_vocab))
-    logger.info("teacher %s: Megatron, in the student's step (%d parameters on this rank%s)", t.name,
-                InStepTeacher(teacher, vocab_size=student_vocab).num_parameters(),
-                ", offloaded between steps" if t.offload else "")
-    return InStepTeacher(teacher, vocab_size=student_vocab)
+    in_step = InStepTeacher(teacher, vocab_size=vocab, own_vocabulary=own)
+    logger.info("teacher %s: Megatron, in the student's step (%d parameters on this rank%s%s)", t.name,
+                in_step.num_parameters(), ", offloaded between steps" if t.offload else "",
+                ", on its own tokens" if own else "")
+    return in_step
 
 
 def route_data(cfg: TrainConfig, data: dict) -> dict:
