@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -213,7 +214,7 @@ def test_device_rows_equal_prompt_logprobs_rows(device_teacher, logprobs_teacher
 def test_an_engine_passed_in_is_scored_as_it_was_built(device_teacher, logprobs_teacher):
     from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
 
-    with pytest.raises(ValueError, match=r"teacher.scoring: 'device' needs an engine built for it.*'generate'"):
+    with pytest.raises(ValueError, match=r"scoring: 'device' needs an engine built for it.*'generate'"):
         VllmTeacher(logprobs_teacher.llm, VllmTeacherConfig(k=8, scoring="device"))
     with pytest.raises(ValueError, match=r"'prompt_logprobs' needs an engine built for it.*'pooling'"):
         VllmTeacher(device_teacher.llm, VllmTeacherConfig(k=8, scoring="prompt_logprobs"))
@@ -227,5 +228,66 @@ def test_device_scoring_of_a_softcapped_checkpoint_is_refused_before_any_engine(
         config = json.load(f)
     with open(f"{capped}/config.json", "w") as f:
         json.dump({**config, "final_logit_softcapping": 30.0}, f)
-    with pytest.raises(ValueError, match="teacher.scoring: 'device' cannot reproduce the logits.*softcapping"):
+    with pytest.raises(ValueError, match="scoring: 'device' cannot reproduce the logits.*softcapping"):
         _teacher(capped, k=4, scoring="device")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_tp2_engine_scores_the_full_vocabulary(tmp_path, monkeypatch):
+    """TP=2: each worker holds half of a vocabulary of 251 rows (the second half padded by one row)
+    and the rows are the full vocabulary's top-k, at temperature 1 and 0.7."""
+    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+    from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
+    from tests._dist import require_devices
+    from tests.test_teacher_vllm import assert_same_topk, reference_logprobs
+
+    require_devices(2)
+    if not torch.cuda.is_available():  # vLLM's CPU workers each need their own cores to bind
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            pytest.skip("a TP=2 vLLM CPU engine needs 2 cores")
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
+    shape = TinyModelShape(vocab_size=251, num_key_value_heads=2)  # KV heads split over 2 workers
+    model = save_tiny_hf_model(str(tmp_path / "tiny"), shape=shape, seed=7, init_std=0.1)
+    teacher = _teacher(model, k=8, tensor_parallel_size=2, scoring="device")
+    try:
+        for temperature in (1.0, 0.7):
+            rows = VllmTeacher(teacher.llm, VllmTeacherConfig(k=8, temperature=temperature)).score(SEQUENCES)
+            for seq, got in zip(SEQUENCES, rows):
+                assert_same_topk(got, reference_logprobs(model, seq, temperature), 8)
+    finally:
+        teacher.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_opkd_train_with_device_scoring_equals_prompt_logprobs(tmp_path):
+    """`opkd train` with the in-process vLLM top-k teacher (the run's default, scoring on the device)
+    gives the losses of the same run scoring by prompt_logprobs: same rollouts (same seed), teacher
+    rows equal to float32 rounding. The student and teacher of `test_train_integration`'s runs, the
+    teacher with the student's vocabulary (a top-k teacher's ids must be the student's)."""
+    from opkd_mcore.data import ALPHABET
+    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+    from tests.test_train_integration import V, _run_train
+
+    common_shape = dict(vocab_size=V, num_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                        intermediate_size=256, max_position_embeddings=64)
+    models = {"root": tmp_path,
+              "student": save_tiny_hf_model(str(tmp_path / "student"), "qwen3", TinyModelShape(
+                  hidden_size=128, **common_shape), seed=1, alphabet=ALPHABET),
+              "teacher": save_tiny_hf_model(str(tmp_path / "teacher"), "qwen3", TinyModelShape(
+                  hidden_size=192, **common_shape), seed=2, alphabet=ALPHABET, init_std=0.1)}
+
+    common = ("teacher.teachers.0.backend=vllm", "teacher.teachers.0.top_k=8",
+              "teacher.teachers.0.dtype=float32", "loss.support=teacher", "run.steps=2")
+    runs = {}
+    for scoring in ("device", "prompt_logprobs"):
+        rows, log = _run_train(models, f"topk_{scoring}", 1, *common,
+                               f"teacher.teachers.0.scoring={scoring}")
+        assert f"top-8 rows by {'the engine' if scoring == 'device' else 'vLLM'}" in log
+        assert all(row["timing/teacher"] > 0 for row in rows)
+        runs[scoring] = [(row["train/loss"], row["kd/teacher_mass_on_support"]) for row in rows]
+    assert len(runs["device"]) == 2
+    for got, want in zip(runs["device"], runs["prompt_logprobs"]):
+        assert got == pytest.approx(want, rel=1e-5)

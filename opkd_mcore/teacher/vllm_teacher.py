@@ -116,6 +116,9 @@ class VllmTeacher(Teacher):
             self._check_logprobs_engine()
         elif self.scoring == "device":
             self._set_device_scorer()
+        if self.scoring != "hidden":
+            how = "the engine's device scorer" if self.scoring == "device" else "vLLM's prompt_logprobs"
+            logger.info("teacher %s: top-%d rows by %s", self._address, self.cfg.k, how)
 
     def close(self) -> None:
         """Stop the engine this teacher built (an engine passed in belongs to the caller)."""
