@@ -161,24 +161,36 @@ def pack_rows(logprobs_NK: torch.Tensor, ids_NK: torch.Tensor) -> torch.Tensor:
 
 def unpack_rows(packed: torch.Tensor, k: int, vocab_size: int, where: str) -> TopKTeacher:
     """`pack_rows`' output -> `TopKTeacher`; MalformedTeacherOutputError naming `where` on a wrong
-    shape or dtype, NaN, ids outside the vocabulary, or logprobs above 0."""
+    shape or dtype, or rows that fail `check_topk_rows`."""
     if not isinstance(packed, torch.Tensor) or packed.dim() != 2 or packed.shape[1] != 2 * k \
             or packed.dtype != torch.float32:
         got = (tuple(packed.shape), packed.dtype) if isinstance(packed, torch.Tensor) else type(packed)
         raise MalformedTeacherOutputError(
             f"{where}: expected float32 top-k rows [L-1, {2 * k}] (logprobs, ids), got {got}; is the "
             "engine's device scorer installed with this k?")
-    logprobs, ids_f = packed[:, :k], packed[:, k:]
+    ids_f = packed[:, k:]
     ids = ids_f.long()
+    if not torch.equal(ids_f, ids.float()):
+        t = int((ids_f != ids).any(1).nonzero()[0])
+        raise MalformedTeacherOutputError(f"{where}, position {t}: ids that are not integers: "
+                                          f"{ids_f[t].tolist()}")
+    logprobs = packed[:, :k].contiguous()
+    check_topk_rows(ids, logprobs, vocab_size, where)
+    return TopKTeacher(ids=ids, logprobs=logprobs)
+
+
+def check_topk_rows(ids: torch.Tensor, logprobs: torch.Tensor, vocab_size: int, where: str) -> None:
+    """MalformedTeacherOutputError naming `where` and the first bad position for ids outside
+    `[0, vocab_size)` other than the padding -1, NaN or positive logprobs, or padding with a logprob
+    other than -inf."""
     pad = ids == PAD_ID
-    bad_id = (ids_f != ids) | ((ids < 0) | (ids >= vocab_size)) & ~pad
+    bad_id = ((ids < 0) | (ids >= vocab_size)) & ~pad
     bad_value = logprobs.isnan() | (logprobs > 1e-4) | (pad & (logprobs != -math.inf))
     if bad_id.any() or bad_value.any():
         t = int((bad_id | bad_value).any(1).nonzero()[0])
         raise MalformedTeacherOutputError(
             f"{where}, position {t}: expected ids in [0, {vocab_size}) (or -1 padding) and logprobs "
-            f"<= 0, got ids {ids_f[t].tolist()} and logprobs {logprobs[t].tolist()}")
-    return TopKTeacher(ids=ids, logprobs=logprobs.contiguous())
+            f"<= 0, got ids {ids[t].tolist()} and logprobs {logprobs[t].tolist()}")
 
 
 # ---- inside the engine ------------------------------------------------------------------------

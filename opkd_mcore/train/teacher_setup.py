@@ -59,6 +59,7 @@ def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None
     if t.backend == "remote":
         # the server is asked once whether it can score every id the student may sample
         return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k, student_vocab_size=student_vocab,
+                                                     scoring=t.scoring,
                                                      output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "hf":
         dtype = TORCH_DTYPES["float32" if t.dtype == "auto" else t.dtype]
