@@ -1,4 +1,4 @@
-"""Teacher scoring throughput: in-process vLLM vs a remote vLLM OpenAI server, per top-k.
+"""Teacher scoring throughput: in-process vLLM vs a teacher server, per top-k and per scoring path.
 
 Scores `--num-seqs` random sequences of `--seq-len` tokens for each k in `--ks` and reports scored
 tokens/s.
@@ -6,17 +6,18 @@ tokens/s.
 In process, each of `--paths` on the same tokens, one engine at a time: `prompt_logprobs` (vLLM's
 per-position prompt logprobs), `device` (the output weight, log-softmax and top-k inside the
 engine, packed rows back: `teacher/device_topk.py`) and `hidden` (final-norm hidden states, the
-`output: hidden` engine). "x hidden" is a path's time over the hidden-state path's; a line after
-the table compares the device rows of the largest k with prompt_logprobs' (largest logprob
-difference, share of equal ids: bf16 logits tie often, and tied entries come in either order).
+`output: hidden` engine). "x hidden" is a path's time over the hidden-state path's (in process, or
+served: `--hidden`); a line after the table compares the device rows of the largest k with
+prompt_logprobs' (largest logprob difference, share of equal ids: bf16 logits tie often, and tied
+entries come in either order).
 
-Remote, it also reports the response bytes per scored token (what the network carries) and how much
-of the client time per request goes to JSON decoding (`json.loads` of the response) and to turning
-the decoded rows into tensors. The server is started with `--max-logprobs max(ks)` (256 needs it
-raised from vLLM's default of 20) and prefix caching off, exactly as `opkd teacher-serve` does.
-`--hidden` adds a second server started as `opkd teacher-serve --output hidden` (final-norm hidden
-states in bf16 for exact dense KD, the trainer holding the output weight), measured the same way:
-bytes per token 2 x hidden size.
+Remote, `opkd teacher-serve` with each scoring: `remote` (vLLM's server, prompt logprobs as JSON,
+started with `--max-logprobs max(ks)` and prefix caching off) and `remote-device` (opkd's server,
+packed rows computed on its device); `--hidden` adds a server started with `--output hidden`
+(final-norm hidden states in bf16 for exact dense KD, the trainer holding the output weight: 2 x
+hidden size bytes per token). Each reports the response bytes per scored token (what the network
+carries) and how much of the client time per request goes to JSON decoding (`json.loads` of the
+response) and to turning the response into tensors.
 
     python tools/bench_teacher.py [--model DIR] [--ks 20,64,256] [--hidden] [--out bench_teacher.json]
         [--results runs.jsonl]
@@ -58,9 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=float, default=900, help="remote: per-request timeout")
     p.add_argument("--paths", default=",".join(INPROCESS_PATHS),
                    help=f"in-process scoring paths to time, comma-separated, of {','.join(INPROCESS_PATHS)}")
-    p.add_argument("--dtype", default="float32", help="in-process engines' dtype (bfloat16 on a GPU)")
+    p.add_argument("--dtype", default="float32", help="engines' dtype (bfloat16 on a GPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                   help="in-process engines' accelerator share (one engine at a time)")
+                   help="engines' accelerator share (one engine at a time)")
     p.add_argument("--skip-inprocess", action="store_true", help="only the remote path")
     p.add_argument("--skip-remote", action="store_true", help="only the in-process path")
     p.add_argument("--hidden", action="store_true",
@@ -107,13 +108,19 @@ def bench_inprocess(model_dir, seqs, ks, repeats, paths, dtype, memory) -> list[
                 print(json.dumps(rows[-1]), flush=True)  # partial results survive an interrupted run
         finally:
             base.close()
-    hidden = next((r["seconds"] for r in rows if r["path"] == "hidden"), None)
     for r in rows:
-        if hidden:
-            r["x_hidden"] = r["seconds"] / hidden
         if r["path"] == "device" and r["k"] == max(ks) and "prompt_logprobs" in last:
             r.update(_agreement(last["device"], last["prompt_logprobs"]))
     return rows
+
+
+def add_hidden_ratios(rows: list[dict]) -> None:
+    """`x_hidden`: each row's time over the hidden-state path's of its kind (in process, or served)."""
+    hidden = {r["path"]: r["seconds"] for r in rows if r["path"] in ("hidden", "remote-hidden")}
+    for r in rows:
+        base = hidden.get("remote-hidden" if r["path"].startswith("remote") else "hidden")
+        if base:
+            r["x_hidden"] = r["seconds"] / base
 
 
 def _agreement(got, want) -> dict:
@@ -133,28 +140,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_remote(model_dir, seqs, ks, repeats, batch_size, concurrency, timeout_s,
-                 log_path, output: str = "topk") -> list[dict]:
+def bench_remote(model_dir, seqs, ks, repeats, batch_size, concurrency, timeout_s, log_path, dtype, memory,
+                 output: str = "topk", scoring: str = "prompt_logprobs") -> list[dict]:
+    """One `opkd teacher-serve` server (vLLM's for prompt_logprobs and hidden states, opkd's for
+    device scoring) and a client per k."""
     from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher
     from opkd_mcore.teacher.serve import TeacherServer, TeacherServerConfig
 
-    cfg = TeacherServerConfig(model=model_dir, k=max(ks), port=_free_port(), dtype="float32",
-                              max_model_len=max(map(len, seqs)) + 8, output=output)
+    scoring = "auto" if output == "hidden" else scoring
+    cfg = TeacherServerConfig(model=model_dir, k=max(ks), port=_free_port(), dtype=dtype,
+                              max_model_len=max(map(len, seqs)) + 8, output=output, scoring=scoring,
+                              gpu_memory_utilization=memory)
+    path = "remote-hidden" if output == "hidden" else "remote-device" if scoring == "device" else "remote"
     tokens = sum(map(len, seqs))
     rows = []
     with TeacherServer(cfg, log_path=log_path) as server:
         server.wait_ready(timeout_s=900)
-        for k in tqdm(ks if output == "topk" else [None], desc=f"remote {output}"):
+        for k in tqdm(ks if output == "topk" else [None], desc=path):
             client = RemoteVllmTeacher(RemoteTeacherConfig(
                 url=server.url, k=k or 1, batch_size=batch_size, max_concurrency=concurrency,
-                timeout_s=timeout_s, max_retries=0, output=output))
+                timeout_s=timeout_s, max_retries=0, output=output, scoring=scoring))
             client.score(seqs[:1])  # server check + warm-up, not counted
             before = client.stats["wire_bytes"]
             t = timed(lambda: client.score(seqs), repeats)
             s = client.stats
             client_s = s["http_s"] + s["json_decode_s"] + s["parse_s"]
-            rows.append({"path": "remote" if output == "topk" else "remote-hidden", "k": k, **t,
-                         "tokens_per_s": tokens / t["seconds"],
+            rows.append({"path": path, "k": k, **t, "tokens_per_s": tokens / t["seconds"],
                          "bytes_per_token": (s["wire_bytes"] - before) / (tokens * (repeats + 1)),
                          "json_decode_share": s["json_decode_s"] / client_s,
                          "rows_to_tensors_share": s["parse_s"] / client_s})
@@ -181,11 +192,15 @@ def main(argv=None) -> int:
             rows += bench_inprocess(model_dir, seqs, ks, args.repeats, paths, args.dtype,
                                     args.gpu_memory_utilization)
         if not args.skip_remote:
-            rows += bench_remote(model_dir, seqs, ks, args.repeats, args.batch_size, args.concurrency,
-                                 args.timeout_s, os.path.join(tmp, "server.log"))
+            remote = (model_dir, seqs, ks, args.repeats, args.batch_size, args.concurrency, args.timeout_s)
+            engine = (args.dtype, args.gpu_memory_utilization)
+            for scoring in ("prompt_logprobs", "device"):
+                rows += bench_remote(*remote, os.path.join(tmp, f"server_{scoring}.log"), *engine,
+                                     scoring=scoring)
             if args.hidden:
-                rows += bench_remote(model_dir, seqs, ks, args.repeats, args.batch_size, args.concurrency,
-                                     args.timeout_s, os.path.join(tmp, "server_hidden.log"), output="hidden")
+                rows += bench_remote(*remote, os.path.join(tmp, "server_hidden.log"), *engine,
+                                     output="hidden")
+    add_hidden_ratios(rows)
     meta = run_metadata(cpus=os.cpu_count(), num_seqs=args.num_seqs, seq_len=args.seq_len, vocab=vocab,
                         model=args.model or "tiny qwen3 (vocab 1024, hidden 256, 2 layers)")
     print(f"{'path':<15} {'k':>6} {'tokens/s':>10} {'s/call':>8} {'x hidden':>8} {'B/token':>8} "
