@@ -120,17 +120,38 @@ def test_malformed_packed_rows_name_the_sequence(packed, match):
         unpack_rows(packed, 3, 50, "seq 4")
 
 
-def test_checkpoints_with_more_than_an_output_weight_keep_prompt_logprobs(tmp_path):
+def _edited_checkpoint(root, edit: str) -> str:
+    """A tiny checkpoint with one thing the device scorer cannot reproduce (or none)."""
+    import safetensors.torch
+
     from opkd_mcore.models.tiny import save_tiny_hf_model
 
-    plain = save_tiny_hf_model(str(tmp_path / "plain"), seed=1)
-    assert device_scoring_blocker(plain) is None
-    capped = save_tiny_hf_model(str(tmp_path / "capped"), seed=1)
-    with open(f"{capped}/config.json") as f:
-        config = json.load(f)
-    with open(f"{capped}/config.json", "w") as f:
-        json.dump({**config, "final_logit_softcapping": 30.0}, f)
-    assert "final_logit_softcapping=30.0" in device_scoring_blocker(capped)
+    model = save_tiny_hf_model(str(root / edit), seed=1)
+    if edit == "softcap":
+        with open(f"{model}/config.json") as f:
+            config = json.load(f)
+        with open(f"{model}/config.json", "w") as f:
+            json.dump({**config, "final_logit_softcapping": 30.0}, f)
+    elif edit in ("bias", "no_lm_head"):
+        tensors = safetensors.torch.load_file(f"{model}/model.safetensors")
+        if edit == "bias":
+            tensors["lm_head.bias"] = torch.zeros(tensors["lm_head.weight"].shape[0])
+        else:
+            del tensors["lm_head.weight"]
+        safetensors.torch.save_file(tensors, f"{model}/model.safetensors")
+    return model
+
+
+@pytest.mark.parametrize("edit, reason", [
+    ("plain", None),
+    ("softcap", "sets final_logit_softcapping=30.0"),
+    ("bias", "the LM head has a bias"),
+    ("no_lm_head", "has no 'lm_head.weight'"),
+])
+def test_checkpoints_whose_logits_are_more_than_the_output_weight_keep_prompt_logprobs(tmp_path, edit,
+                                                                                       reason):
+    blocker = device_scoring_blocker(_edited_checkpoint(tmp_path, edit))
+    assert blocker is None if reason is None else reason in blocker
 
 
 def assert_same_rows(got: TopKTeacher, want: TopKTeacher, atol: float) -> tuple[int, int]:
@@ -221,15 +242,8 @@ def test_an_engine_passed_in_is_scored_as_it_was_built(device_teacher, logprobs_
 
 
 def test_device_scoring_of_a_softcapped_checkpoint_is_refused_before_any_engine(tmp_path):
-    from opkd_mcore.models.tiny import save_tiny_hf_model
-
-    capped = save_tiny_hf_model(str(tmp_path / "capped"), seed=1)
-    with open(f"{capped}/config.json") as f:
-        config = json.load(f)
-    with open(f"{capped}/config.json", "w") as f:
-        json.dump({**config, "final_logit_softcapping": 30.0}, f)
     with pytest.raises(ValueError, match="scoring: 'device' cannot reproduce the logits.*softcapping"):
-        _teacher(capped, k=4, scoring="device")
+        _teacher(_edited_checkpoint(tmp_path, "softcap"), k=4, scoring="device")
 
 
 @pytest.mark.slow

@@ -56,13 +56,14 @@ from collections.abc import Callable
 import torch
 
 from opkd_mcore.losses.teacher_outputs import PAD_ID, MalformedTeacherOutputError, TopKTeacher
-from opkd_mcore.teacher.hidden_states import load_output_weight_shard
+from opkd_mcore.models.weights import _SafetensorsIndex
+from opkd_mcore.teacher.hidden_states import load_output_weight_shard, output_weight_name
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "opkd_mcore.teacher.device_topk.DeviceTopKWorker"
 # float32 logits formed at once per rank: rows per chunk = this / V_local (256 MB; with the GEMM's
-# own output and the softmax's temporaries a chunk's peak is about 3x that)
+# bf16 output and logsumexp's temporary a chunk holds about 2.5x that beyond the engine's memory)
 CHUNK_LOGITS = 1 << 26
 # ids travel in the float32 rows: exact below 2^24
 MAX_VOCAB = 1 << 24
@@ -73,22 +74,28 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 
 def device_scoring_blocker(model_dir: str) -> str | None:
-    """Why the device scorer cannot reproduce this checkpoint's logits, or None when it can."""
+    """Why the device scorer cannot reproduce this checkpoint's logits, or None when it can: its
+    logits must be the output weight's product alone, and that weight a safetensors tensor."""
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path) as f:
             config = json.load(f)
     except (OSError, ValueError) as err:
         return f"{path} is unreadable ({err})"
-    if "vocab_size" not in config:  # a multimodal checkpoint: the language model's config
-        config = config.get("text_config", config)
     for key in _LOGIT_TRANSFORMS:
         if config.get(key) not in (None, 1, 1.0):
             return f"{path} sets {key}={config[key]} (logits are not the output weight's product alone)"
-    if config.get("lm_head_bias") or config.get("bias_lm_head"):
-        return f"{path}: the LM head has a bias"
     if int(config.get("vocab_size", 0)) >= MAX_VOCAB:
         return f"{path}: vocab_size {config['vocab_size']} >= 2^24 (ids travel as float32)"
+    try:
+        tensors = _SafetensorsIndex(model_dir).files
+        name, _ = output_weight_name(model_dir)
+    except (OSError, ValueError, KeyError) as err:
+        return f"{model_dir}: no output weight to read from a safetensors checkpoint ({err!r})"
+    if name not in tensors:
+        return f"{model_dir}: the checkpoint has no {name!r} (the output weight, read by that name)"
+    if "lm_head.bias" in tensors:
+        return f"{model_dir}: the LM head has a bias"
     return None
 
 
