@@ -154,6 +154,27 @@ def test_checkpoints_whose_logits_are_more_than_the_output_weight_keep_prompt_lo
     assert blocker is None if reason is None else reason in blocker
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (["teacher.teachers.0.scoring=fast"], r"scoring: expected one of \['auto', 'prompt_logprobs', 'devi"),
+    (["teacher.teachers.0.backend=hf", "teacher.teachers.0.scoring=device"],
+     r"scoring: 'device' chooses how a vllm or remote teacher .* \(backend 'hf', output 'topk'\)"),
+    (["teacher.teachers.0.output=hidden", "teacher.teachers.0.scoring=prompt_logprobs", "loss.support=null"],
+     r"scoring: 'prompt_logprobs' .* \(backend 'vllm', output 'hidden'\)"),
+])
+def test_scoring_errors_name_the_key(overrides, match):
+    from opkd_mcore.config import ConfigError, load_config
+
+    base = ["model.student=/student", "teacher.teachers.0.model=/teacher", "loss.support=teacher"]
+    with pytest.raises(ConfigError, match=rf"^teacher.teachers.0.{match}"):
+        load_config(None, base + overrides, check_files=False)
+    for backend in ("vllm", "remote"):  # both scorings of both backends that have them
+        for scoring in ("device", "prompt_logprobs"):
+            url = ["teacher.teachers.0.url=http://127.0.0.1:8000"] if backend == "remote" else []
+            cfg = load_config(None, base + url + [f"teacher.teachers.0.backend={backend}",
+                                                  f"teacher.teachers.0.scoring={scoring}"], check_files=False)
+            assert cfg.teacher.teachers[0].scoring == scoring
+
+
 def assert_same_rows(got: TopKTeacher, want: TopKTeacher, atol: float) -> tuple[int, int]:
     """Equal top-k rows up to ties: values within `atol` at every place, and the same id at every
     place whose value is more than `atol` from its neighbours' (the last place excepted: its

@@ -79,8 +79,8 @@ def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
     choice(f"{path}.scoring", t.scoring, TEACHER_SCORINGS)
     if t.scoring != "auto" and (t.backend not in ("vllm", "remote") or teacher_output(t) != "topk"):
         raise ConfigError(f"{path}.scoring: {t.scoring!r} chooses how a vllm or remote teacher computes "
-                          f"top-k rows; this teacher (backend {t.backend!r}, output {teacher_output(t)!r}) "
-                          "computes none (set scoring: auto)")
+                          f"its top-k rows; it does not apply to this teacher (backend {t.backend!r}, output "
+                          f"{teacher_output(t)!r}): set scoring: auto")
     if t.output == "dense" and t.backend not in DENSE_BACKENDS:
         raise ConfigError(f"{path}.output: 'dense' needs full-vocabulary logits, which only the "
                           f"{' and '.join(DENSE_BACKENDS)} backends compute; got backend "
