@@ -5,8 +5,9 @@
 - the packed rows' format and the errors that name a bad row;
 - (`-m vllm`) a real vLLM CPU engine: the rows equal `prompt_logprobs`' (ids exactly, ties aside)
   and `transformers`' float64 top-k, at temperature 1 and 0.6, for a sequence that fills the
-  engine's context; an engine passed in is scored as it was built; TP=2 (slow); and `opkd train`
-  end to end (slow): the losses of the device path equal those of the prompt_logprobs path.
+  engine's context, sequences prefilled in chunks; an engine passed in is scored as it was built;
+  TP=2 (slow); and `opkd train` end to end (slow): the losses of the device path equal those of the
+  prompt_logprobs path.
 """
 from __future__ import annotations
 
@@ -214,7 +215,10 @@ def _teacher(model, **cfg):
 
 @pytest.fixture(scope="module")
 def device_teacher(model_dir):
-    teacher = _teacher(model_dir, k=8)  # scoring: auto
+    # scoring: auto. 16 tokens per engine step: longer sequences are scored in chunks (chunked
+    # prefill), and the pooler hands the scorer each one's hidden states once, whole
+    teacher = _teacher(model_dir, k=8, extra_engine_kwargs=dict(
+        max_num_batched_tokens=16, enable_chunked_prefill=True, max_num_seqs=4))
     yield teacher
     teacher.close()
 

@@ -253,6 +253,9 @@ class DeviceTopKWorker:
 def score_pooled(outputs: list, state: dict, gather: Gather | None) -> list:
     """The pooler's per-request hidden states `[L, H]` (None while a chunked prefill is unfinished)
     -> packed top-k rows `[L-1, 2K]` of the finished ones, in one batch of GEMMs."""
+    if not isinstance(outputs, list):
+        raise TypeError(f"device top-k scorer: expected the pooler's list of per-request hidden states, "
+                        f"got {type(outputs).__name__}")
     done = [i for i, out in enumerate(outputs) if out is not None]
     if not done:
         return outputs
