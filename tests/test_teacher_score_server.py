@@ -168,8 +168,9 @@ def test_serve_runs_the_device_server_for_a_plain_checkpoint(tmp_path):
     assert cmd[1:3] == ["-m", "opkd_mcore.teacher.score_server"]
     assert cmd[cmd.index("--port") + 1] == "8124" and cmd[cmd.index("--max-model-len") + 1] == "64"
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.2"
-    stock = server_command(TeacherServerConfig(model=model, scoring="prompt_logprobs"))
-    assert stock[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    for stock in (TeacherServerConfig(model=model, scoring="prompt_logprobs"),
+                  TeacherServerConfig(model=model, extra_args=["--max-num-seqs", "4"])):  # auto: vLLM's flags
+        assert server_command(stock)[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     with pytest.raises(ValueError, match=r"extra_args: \['--max-num-seqs', '4'\] are vLLM server flags"):
         server_command(TeacherServerConfig(model=model, scoring="device", extra_args=["--max-num-seqs", "4"]))
 

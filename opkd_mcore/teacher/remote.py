@@ -5,20 +5,20 @@ opkd's device-scoring server (`opkd teacher-serve --scoring device`: packed top-
 
 `scoring`: `device` uses the packed route and refuses a server without it; `prompt_logprobs` the
 OpenAI route; `auto` asks the server once (`GET /opkd/v1/topk`) and uses the packed route where it
-answers. The packed route computes the rows at any temperature on the server's device.
+answers.
 
-Requests carry token-id prompts (the server must use the student's tokenizer) with
-`prompt_logprobs=k` and `max_tokens=1`; the server must run with prefix caching off, or cached
+On the OpenAI route, requests carry token-id prompts (the server must use the student's tokenizer)
+with `prompt_logprobs=k` and `max_tokens=1`; the server must run with prefix caching off, or cached
 positions come back without logprobs (`opkd teacher-serve` starts it that way). A server's prompt
 logprobs are at temperature 1 and cannot be re-tempered from k entries, so a teacher temperature
-other than 1 is refused here rather than silently ignored.
+other than 1 is refused there rather than silently ignored (the packed route takes it).
 
 Before the first request the client checks, once per server, that the server takes every token id the
 student can emit. A stock vLLM server says nothing about its vocabulary size without extra flags
 (`/tokenizer_info` needs `--enable-tokenizer-info-endpoint` and lists no size), but it refuses a prompt
-id past its vocabulary with HTTP 400 "Token id N is out of vocabulary". So one 1-token prompt with the
-student's largest id answers the question; only when it is refused does a bisection over ids find the
-server's size, for the error message.
+id past its vocabulary with HTTP 400 "Token id N is out of vocabulary" (the packed route answers the
+same way). So one 1-token prompt with the student's largest id answers the question; only when it is
+refused does a bisection over ids find the server's size, for the error message.
 """
 from __future__ import annotations
 

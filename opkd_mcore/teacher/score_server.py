@@ -80,7 +80,7 @@ class BatchingScorer:
     def _score_group(self, group: list[_Job], k: int, temperature: float) -> None:
         try:
             rows = self._score_fn([s for job in group for s in job.seqs], k, temperature)
-        except BaseException as err:  # handed to every waiting request, which answers HTTP 500
+        except Exception as err:  # handed to every waiting request, which answers HTTP 500
             for job in group:
                 job.error = err
                 job.done.set()

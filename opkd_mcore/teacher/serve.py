@@ -16,8 +16,8 @@ the output weight the trainer holds: `teacher/hidden_states.py`): the model runs
 tensors (`teacher/topk_wire.py`), at the cost of the OpenAI routes, which it does not serve;
 `prompt_logprobs` runs the stock vLLM server (`/v1/completions` with prompt logprobs, for any client);
 `auto` (the default) is `device` for a checkpoint whose logits are its output weight's product
-(`device_topk.device_scoring_blocker`), else `prompt_logprobs`. A remote teacher with `scoring: auto`
-uses whichever the server offers.
+(`device_topk.device_scoring_blocker`) unless vLLM server flags follow `--`, else `prompt_logprobs`.
+A remote teacher with `scoring: auto` uses whichever the server offers.
 """
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def server_scoring(cfg: TeacherServerConfig) -> str:
     """What the server of `cfg` sends: "hidden", or top-k rows by "device" or "prompt_logprobs"."""
     if cfg.output == "hidden" or cfg.scoring != "auto":
         return "hidden" if cfg.output == "hidden" else cfg.scoring
-    return "prompt_logprobs" if device_scoring_blocker(cfg.model) else "device"
+    # vLLM server flags ask for vLLM's server
+    return "prompt_logprobs" if cfg.extra_args or device_scoring_blocker(cfg.model) else "device"
 
 
 def server_command(cfg: TeacherServerConfig) -> list[str]:
@@ -185,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="topk: top-k rows; hidden: final-norm hidden states (exact dense KD)")
     p.add_argument("--scoring", default="auto", choices=list(TEACHER_SCORINGS),
                    help="top-k rows by device (opkd's server, packed tensors) | prompt_logprobs (vLLM's "
-                        "OpenAI server) | auto (device where the checkpoint allows)")
+                        "OpenAI server) | auto (device where the checkpoint allows, unless vLLM flags "
+                        "follow --)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="engine's accelerator share (default: vLLM's)")
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
