@@ -87,6 +87,8 @@ def _handler(server: dict):
 
         def do_GET(self):
             server["requests"].append(("GET", self.path, None))
+            if self.path != "/v1/models":  # FastAPI's answer to a route it does not have
+                return self._send(404, {"detail": "Not Found"})
             models = [{"id": name, "object": "model", "owned_by": "vllm",
                        "max_model_len": server["max_model_len"]} for name in server["models"]]
             self._send(200, {"object": "list", "data": models})
@@ -148,12 +150,15 @@ def _probe_errors(cfg) -> list[str]:
     return err.value.errors
 
 
-def test_a_healthy_server_passes_with_three_requests(tmp_path, models):
+def test_a_healthy_server_passes_with_four_requests(tmp_path, models):
+    """The listing, the packed top-k route (`scoring: auto`; a stock server has none), then the
+    vocabulary and max-logprobs probes of the OpenAI route."""
     with vllm_like_server() as server:
         preflight(_remote_config(tmp_path, models, server["url"]))
     methods = [(method, path) for method, path, _ in server["requests"]]
-    assert methods == [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/completions")]
-    vocab_probe, logprobs_probe = (body for _, _, body in server["requests"][1:])
+    assert methods == [("GET", "/v1/models"), ("GET", "/opkd/v1/topk"), ("POST", "/v1/completions"),
+                       ("POST", "/v1/completions")]
+    vocab_probe, logprobs_probe = (body for _, _, body in server["requests"][2:])
     assert vocab_probe["prompt"] == [[VOCAB - 1]] and vocab_probe["model"] == "teacher"
     assert logprobs_probe["prompt_logprobs"] == 8
 

@@ -33,8 +33,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("remote_log") / "server.log")
+    # the stock vLLM server (the packed route of opkd's own: tests/test_teacher_score_server.py)
     cfg = TeacherServerConfig(model=model_dir, k=SERVER_MAX_LOGPROBS, port=free_port(),
-                              dtype="float32", max_model_len=64, served_model_name="teacher",
+                              scoring="prompt_logprobs", dtype="float32", max_model_len=64,
+                              served_model_name="teacher",
                               extra_args=[f"--gpu-memory-utilization={ENGINE_MEMORY}"])
     srv = TeacherServer(cfg, log_path=log, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     try:

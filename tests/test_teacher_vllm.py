@@ -23,9 +23,11 @@ def model_dir(tmp_path_factory):
 def tempered_teacher(model_dir):
     from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
 
-    # temperature != 1 builds the engine with unlimited logprobs; the k-only teacher reuses it
+    # the prompt_logprobs path (the device path: tests/test_teacher_device_topk.py). Temperature != 1
+    # builds the engine with unlimited logprobs; the k-only teachers reuse it
     teacher = VllmTeacher(model_dir, VllmTeacherConfig(k=8, temperature=0.6, dtype="float32",
-                                                       max_model_len=64, **engine_kwargs()))
+                                                       max_model_len=64, scoring="prompt_logprobs",
+                                                       **engine_kwargs()))
     yield teacher
     teacher.close()
 
@@ -158,12 +160,14 @@ def test_flat_prompt_logprobs_give_the_rows_of_the_dict_form(tempered_teacher, m
         assert torch.equal(rows.ids, want.ids) and torch.equal(rows.logprobs, want.logprobs)
 
 
-def test_the_run_teacher_scores_a_sample_that_fills_the_rollout_context(tmp_path):
+@pytest.mark.parametrize("scoring", ["auto", "prompt_logprobs"])
+def test_the_run_teacher_scores_a_sample_that_fills_the_rollout_context(tmp_path, scoring):
     """A sample of exactly rollout.max_model_len tokens (a prompt that leaves just max_new_tokens,
     and a response that uses them all) goes through the in-process teacher the run builds, with a
     teacher whose positions end there too (max_position_embeddings = rollout.max_model_len); its
     rows match transformers. vLLM's generate runner refuses a prompt that fills its context, and
-    an engine one position longer than the model allows is refused too."""
+    an engine one position longer than the model allows is refused too. Both ways of scoring: the
+    run's default (auto: on the device, a pooling engine) and prompt_logprobs."""
     from opkd_mcore.config import RolloutSection, TeacherEndpoint, TeacherSection, TrainConfig
     from opkd_mcore.models.tiny import TinyModelShape
     from opkd_mcore.train.teacher_setup import build_scoring_teacher
@@ -171,12 +175,13 @@ def test_the_run_teacher_scores_a_sample_that_fills_the_rollout_context(tmp_path
     max_model_len, k = 32, 4
     shape = TinyModelShape(max_position_embeddings=max_model_len)
     model = save_tiny_hf_model(str(tmp_path / "short"), shape=shape, seed=6, init_std=0.1)
-    endpoint = TeacherEndpoint(backend="vllm", model=model, top_k=k, dtype="float32")
+    endpoint = TeacherEndpoint(backend="vllm", model=model, top_k=k, dtype="float32", scoring=scoring)
     memory = engine_kwargs()["gpu_memory_utilization"]
     cfg = TrainConfig(rollout=RolloutSection(max_model_len=max_model_len, max_new_tokens=8,
                                              gpu_memory_utilization=memory),
                       teacher=TeacherSection(teachers=[endpoint]))
     teacher = build_scoring_teacher(cfg)
+    assert teacher.scoring == ("device" if scoring == "auto" else scoring)
     try:
         full = [1] + [3 + (i * 7) % 13 for i in range(max_model_len - 1)]
         rows = teacher.score([full, full[:5]])

@@ -23,6 +23,7 @@ LM_HEAD_ENGINES = ("auto", "tiles", "chunked", "rows")
 TEACHER_BACKENDS = ("vllm", "remote", "hf", "megatron")
 TEACHER_OUTPUTS = ("auto", "topk", "dense", "hidden")  # auto: dense for megatron, top-k for the others
 HIDDEN_BACKENDS = ("vllm", "remote")  # backends that can hand over final-norm hidden states
+TEACHER_SCORINGS = ("auto", "prompt_logprobs", "device")  # how a vllm / remote teacher computes top-k rows
 TOPK_BACKENDS = ("vllm", "remote", "hf")
 DENSE_BACKENDS = ("megatron", "hf")  # backends that can hand the loss full-vocabulary logits
 ROUTINGS = ("data_source",)
@@ -188,6 +189,12 @@ class TeacherEndpoint:
     output: str = "auto"
     """auto | topk | dense (megatron, hf) | hidden (vllm, remote: hidden states, the trainer applies the
     teacher's output weight from `model`)"""
+    scoring: str = "auto"
+    """how a vllm or remote teacher computes top-k rows: device (output weight, log-softmax and top-k on the
+    engine's device, packed tensors back; a remote one needs `opkd teacher-serve --scoring device`) |
+    prompt_logprobs (vLLM's per-position prompt logprobs: any model vLLM runs, any stock server) | auto
+    (vllm: device unless the checkpoint's logits are more than its output weight's product; remote: device
+    when the server offers it)"""
     offload: bool = False
     """megatron: keep the teacher's weights in host memory between steps"""
     dtype: str = "auto"

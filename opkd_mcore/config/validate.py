@@ -64,6 +64,7 @@ from opkd_mcore.config.schema import (
     TASKS,
     TEACHER_BACKENDS,
     TEACHER_OUTPUTS,
+    TEACHER_SCORINGS,
     TeacherEndpoint,
     TrainConfig,
 )
@@ -82,6 +83,11 @@ def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
     non_empty(f"{path}.name", t.name)
     choice(f"{path}.backend", t.backend, TEACHER_BACKENDS)
     choice(f"{path}.output", t.output, TEACHER_OUTPUTS)
+    choice(f"{path}.scoring", t.scoring, TEACHER_SCORINGS)
+    if t.scoring != "auto" and (t.backend not in ("vllm", "remote") or teacher_output(t) != "topk"):
+        raise ConfigError(f"{path}.scoring: {t.scoring!r} chooses how a vllm or remote teacher computes "
+                          f"its top-k rows; it does not apply to this teacher (backend {t.backend!r}, output "
+                          f"{teacher_output(t)!r}): set scoring: auto")
     if t.output == "dense" and t.backend not in DENSE_BACKENDS:
         raise ConfigError(f"{path}.output: 'dense' needs full-vocabulary logits, which only the "
                           f"{' and '.join(DENSE_BACKENDS)} backends compute; got backend "

@@ -1,7 +1,9 @@
 """Teacher backends (see DESIGN.md): each scores token sequences, row t scoring token t+1.
 
-    VllmTeacher          in-process vLLM, prompt_logprobs top-k          (vllm_teacher.py)
-    RemoteVllmTeacher    client of a vLLM OpenAI server                 (remote.py)
+    VllmTeacher          in-process vLLM: top-k on its device or by prompt_logprobs, or hidden states
+                                                                        (vllm_teacher.py, device_topk.py)
+    RemoteVllmTeacher    client of a teacher server: opkd's packed top-k route or vLLM's OpenAI server
+                                                                        (remote.py, score_server.py)
     MegatronTeacher      forward-only Megatron model, dense TP-sharded  (megatron_teacher.py)
     TransformersTeacher  plain HF forward, dense or top-k               (hf_teacher.py)
     TeacherRouter        per-sample choice by a data field, replicas    (router.py)

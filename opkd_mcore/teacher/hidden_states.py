@@ -75,7 +75,8 @@ def decode_bytes_response(body: bytes, metadata: str, count: int, where: str) ->
     return out
 
 
-def _output_weight_name(model_dir: str) -> tuple[str, int]:
+def output_weight_name(model_dir: str) -> tuple[str, int]:
+    """(checkpoint name of the output weight: the embedding's when tied, vocabulary size)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     tied = bool(config.get("tie_word_embeddings", False))
@@ -90,7 +91,7 @@ def load_output_weight_shard(model_dir: str, padded_vocab: int, tp_rank: int, tp
     masks them as vocabulary padding)."""
     if padded_vocab % tp_size:
         raise ValueError(f"padded_vocab: {padded_vocab} is not divisible by the TP size {tp_size}")
-    name, _ = _output_weight_name(model_dir)
+    name, _ = output_weight_name(model_dir)
     sliced = _SafetensorsIndex(model_dir).slice(name)
     rows, hidden = sliced.get_shape()
     v_local = padded_vocab // tp_size

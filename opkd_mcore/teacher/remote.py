@@ -1,18 +1,24 @@
-"""Client of a stock vLLM OpenAI server used as a top-k teacher (`/v1/completions`), or with
-`output="hidden"` as a hidden-state teacher (`/pooling`, raw bf16 bytes: `teacher/hidden_states.py`).
+"""Client of a teacher server: a stock vLLM OpenAI server used as a top-k teacher (`/v1/completions`),
+opkd's device-scoring server (`opkd teacher-serve --scoring device`: packed top-k tensors from
+`/opkd/v1/topk`, `teacher/topk_wire.py`), or with `output="hidden"` a hidden-state teacher
+(`/pooling`, raw bf16 bytes: `teacher/hidden_states.py`).
 
-Requests carry token-id prompts (the server must use the student's tokenizer) with
-`prompt_logprobs=k` and `max_tokens=1`; the server must run with prefix caching off, or cached
+`scoring`: `device` uses the packed route and refuses a server without it; `prompt_logprobs` the
+OpenAI route; `auto` asks the server once (`GET /opkd/v1/topk`) and uses the packed route where it
+answers.
+
+On the OpenAI route, requests carry token-id prompts (the server must use the student's tokenizer)
+with `prompt_logprobs=k` and `max_tokens=1`; the server must run with prefix caching off, or cached
 positions come back without logprobs (`opkd teacher-serve` starts it that way). A server's prompt
 logprobs are at temperature 1 and cannot be re-tempered from k entries, so a teacher temperature
-other than 1 is refused here rather than silently ignored.
+other than 1 is refused there rather than silently ignored (the packed route takes it).
 
 Before the first request the client checks, once per server, that the server takes every token id the
 student can emit. A stock vLLM server says nothing about its vocabulary size without extra flags
 (`/tokenizer_info` needs `--enable-tokenizer-info-endpoint` and lists no size), but it refuses a prompt
-id past its vocabulary with HTTP 400 "Token id N is out of vocabulary". So one 1-token prompt with the
-student's largest id answers the question; only when it is refused does a bisection over ids find the
-server's size, for the error message.
+id past its vocabulary with HTTP 400 "Token id N is out of vocabulary" (the packed route answers the
+same way). So one 1-token prompt with the student's largest id answers the question; only when it is
+refused does a bisection over ids find the server's size, for the error message.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from opkd_mcore.config.schema import TEACHER_SCORINGS
 from opkd_mcore.losses.teacher_outputs import HiddenTeacher, TopKTeacher
 from opkd_mcore.teacher.base import (
     MalformedTeacherOutputError,
@@ -39,6 +46,7 @@ from opkd_mcore.teacher.base import (
     topk_from_ranked,
 )
 from opkd_mcore.teacher.hidden_states import POOLING_TASK, WIRE_DTYPE, decode_bytes_response, rows_from_states
+from opkd_mcore.teacher.topk_wire import MAGIC, TOPK_ROUTE, decode_topk_response
 
 logger = logging.getLogger(__name__)
 _MAX_ALLOWED = re.compile(r"max(?:imum)? allowed:?\s*(\d+)", re.IGNORECASE)
@@ -52,7 +60,7 @@ class RemoteTeacherConfig:
     url: str = "http://127.0.0.1:8000"  # server base URL (no /v1)
     k: int = 20  # top-k per position; must be <= the server's --max-logprobs
     model: str | None = None  # served model name; None = the first one /v1/models lists
-    temperature: float = 1.0  # only 1.0 can be honoured by a server (see module docstring)
+    temperature: float = 1.0  # teacher temperature; != 1 needs scoring "device" (see module docstring)
     batch_size: int = 8  # sequences per HTTP request
     max_concurrency: int = 4  # HTTP requests in flight per client
     timeout_s: float = 120.0  # per HTTP request
@@ -61,15 +69,21 @@ class RemoteTeacherConfig:
     backoff_max_s: float = 8.0  # cap of the retry delay
     student_vocab_size: int | None = None  # ids the student can emit (its HF vocab_size); the server
     # must accept all of them (checked once); None skips the check with a warning
-    output: str = "topk"  # topk: prompt logprobs | hidden: final-norm hidden states (opkd teacher-serve --output hidden)
+    output: str = "topk"  # topk: top-k rows | hidden: final-norm hidden states (--output hidden servers)
+    scoring: str = "auto"  # top-k rows by: device (opkd's packed route) | prompt_logprobs (OpenAI) | auto
 
     def validate(self) -> None:
         if self.output not in ("topk", "hidden"):
             raise ValueError(f"teacher.output: expected 'topk' or 'hidden', got {self.output!r}")
-        if self.temperature != 1.0:
-            raise ValueError(f"teacher.temperature: a remote vLLM teacher returns temperature-1 "
-                             f"logprobs and cannot honour {self.temperature}; use 1.0 or an "
-                             "in-process / Megatron teacher")
+        if self.scoring not in TEACHER_SCORINGS:
+            raise ValueError(f"teacher.scoring: expected one of {TEACHER_SCORINGS}, got {self.scoring!r}")
+        if self.output == "hidden" and self.scoring != "auto":
+            raise ValueError(f"teacher.scoring: {self.scoring!r} chooses how top-k rows are computed; a "
+                             "teacher with output 'hidden' sends hidden states (leave it 'auto')")
+        if self.temperature != 1.0 and self.scoring != "device":
+            raise ValueError(f"teacher.temperature: a server's prompt logprobs are at temperature 1 and "
+                             f"cannot honour {self.temperature}; use 1.0, scoring 'device' (opkd "
+                             "teacher-serve --scoring device) or an in-process / Megatron teacher")
         for name in ("k", "batch_size", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"teacher.{name}: expected >= 1, got {getattr(self, name)}")
@@ -128,6 +142,8 @@ class RemoteVllmTeacher(Teacher):
         self.url = cfg.url.rstrip("/")
         self._model = cfg.model
         self._checked = False
+        self.scoring: str | None = None  # hidden | device | prompt_logprobs, once check_server has run
+        self._server_vocab: int | None = None  # the packed route's vocabulary
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()  # apart from _lock, which check_server holds across calls
         self._counter = 0
@@ -199,30 +215,55 @@ class RemoteVllmTeacher(Teacher):
     # ---- checks before scoring -------------------------------------------------------------
 
     def check_server(self) -> None:
-        """Resolve the model name and make sure the server accepts k prompt logprobs (once)."""
+        """Resolve the model name and how the server scores, and make sure it can (once): it takes
+        k prompt logprobs, or answers its packed top-k route, or its hidden-state route."""
         with self._lock:
             if self._checked:
                 return
             if self._model is None:
                 self._served_model()
+            self.scoring = self._server_scoring()
             self._check_vocabulary()
-            if self.cfg.output == "hidden":   # no logprobs involved: one small request proves the mode
+            if self.scoring == "hidden":   # no logprobs involved: one small request proves the mode
                 self._score_hidden_batch([[0, 0]], "the hidden-state probe")
-                self._checked = True
-                return
-            probe = {"model": self._model, "prompt": [[0, 0]], "max_tokens": 1,
-                     "prompt_logprobs": self.cfg.k}
-            try:
-                self._call("/v1/completions", probe, "the max-logprobs probe")
-            except TeacherError as err:
-                allowed = _MAX_ALLOWED.search(str(err))
-                if allowed is None:
-                    raise
-                raise MaxLogprobsError(
-                    f"teacher.k={self.cfg.k}: teacher server {self.url} allows at most "
-                    f"{allowed.group(1)} logprobs (--max-logprobs); restart it with "
-                    f"--max-logprobs >= {self.cfg.k} (opkd teacher-serve --k {self.cfg.k})") from err
+            elif self.scoring == "device":
+                self._score_device_batch([[0, 0]], "the top-k route probe")
+            else:
+                self._check_max_logprobs()
             self._checked = True
+
+    def _check_max_logprobs(self) -> None:
+        probe = {"model": self._model, "prompt": [[0, 0]], "max_tokens": 1, "prompt_logprobs": self.cfg.k}
+        try:
+            self._call("/v1/completions", probe, "the max-logprobs probe")
+        except TeacherError as err:
+            allowed = _MAX_ALLOWED.search(str(err))
+            if allowed is None:
+                raise
+            raise MaxLogprobsError(
+                f"teacher.k={self.cfg.k}: teacher server {self.url} allows at most "
+                f"{allowed.group(1)} logprobs (--max-logprobs); restart it with "
+                f"--max-logprobs >= {self.cfg.k} (opkd teacher-serve --k {self.cfg.k})") from err
+
+    def _server_scoring(self) -> str:
+        """hidden | device | prompt_logprobs: the configured way, `auto` resolved by asking the server."""
+        if self.cfg.output == "hidden" or self.cfg.scoring == "prompt_logprobs":
+            return "hidden" if self.cfg.output == "hidden" else "prompt_logprobs"
+        try:
+            info = self._call(TOPK_ROUTE, None, "the top-k route probe")
+        except TeacherError as err:  # a stock vLLM server: 404
+            if not (isinstance(err.__cause__, _HttpStatusError) and err.__cause__.code in (404, 405)):
+                raise
+            info = None
+        if isinstance(info, dict) and info.get("format") == MAGIC.decode() and \
+                isinstance(info.get("vocab_size"), int):
+            self._server_vocab = info["vocab_size"]
+            return "device"
+        if self.cfg.scoring == "device":
+            raise TeacherError(f"teacher server {self.url} has no top-k route {TOPK_ROUTE} (a stock vLLM "
+                               "server?): start it with `opkd teacher-serve --scoring device`, or set "
+                               "scoring: prompt_logprobs")
+        return "prompt_logprobs"
 
     def served_model(self) -> dict:
         """The `/v1/models` entry of the model this client scores with (vLLM lists its `id` and
@@ -250,10 +291,13 @@ class RemoteVllmTeacher(Teacher):
         """Whether the server takes `token_id` in a prompt (vLLM: HTTP 400 "out of vocabulary")."""
         probe = {"model": self._model, "prompt": [[token_id]], "max_tokens": 1}
         path = "/v1/completions"
-        if self.cfg.output == "hidden":
+        if self.scoring == "hidden":
             probe, path = self._pooling_body([[token_id]]), "/pooling"
+        elif self.scoring == "device":
+            probe, path = {"sequences": [[token_id, token_id]], "k": 1}, TOPK_ROUTE
         try:
-            self._call(path, probe, f"the vocabulary probe (token id {token_id})", raw=path == "/pooling")
+            self._call(path, probe, f"the vocabulary probe (token id {token_id})",
+                       raw=path != "/v1/completions")
         except TeacherError as err:
             if _OUT_OF_VOCAB.search(str(err)) is None:
                 raise
@@ -296,10 +340,20 @@ class RemoteVllmTeacher(Teacher):
         self._add_stats(parse_s=time.perf_counter() - t0, requests=1, tokens=sum(map(len, batch)))
         return rows
 
+    def _score_device_batch(self, batch: list[list[int]], request: str) -> list[TopKTeacher]:
+        body = {"sequences": batch, "k": self.cfg.k, "temperature": self.cfg.temperature}
+        data, _ = self._call(TOPK_ROUTE, body, request, raw=True)
+        t0 = time.perf_counter()
+        rows = decode_topk_response(data, batch, self.cfg.k, self._server_vocab, request)
+        self._add_stats(parse_s=time.perf_counter() - t0, requests=1, tokens=sum(map(len, batch)))
+        return rows
+
     def _score_batch(self, batch: list[list[int]]) -> list[TopKTeacher] | list[HiddenTeacher]:
         request = self._next_request_id()
-        if self.cfg.output == "hidden":
+        if self.scoring == "hidden":
             return self._score_hidden_batch(batch, request)
+        if self.scoring == "device":
+            return self._score_device_batch(batch, request)
         body = {"model": self._model, "prompt": batch, "max_tokens": 1,
                 "prompt_logprobs": self.cfg.k, "temperature": 0.0}
         payload = self._call("/v1/completions", body, request)

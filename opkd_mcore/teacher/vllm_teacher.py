@@ -1,4 +1,13 @@
-"""In-process vLLM teacher: `prompt_logprobs=k` over prompt+response, as `TopKTeacher` rows.
+"""In-process vLLM teacher: top-k rows (`TopKTeacher`) or hidden states over prompt+response.
+
+Top-k rows come one of two ways (`scoring`):
+
+* `device` (`auto`'s choice for a checkpoint whose logits are its output weight's product, which the
+  project's families all are): the engine runs as a pooling model, and a worker extension applies
+  the output weight, the tempered log-softmax and the top-k on the engine's device; packed tensors
+  come back (`teacher/device_topk.py`, which says why this way). Every sequence of up to
+  `max_model_len` tokens is scored whole. Exact at any temperature; TP engines shard the vocabulary.
+* `prompt_logprobs` (any checkpoint vLLM runs, an engine passed in with the generate runner):
 
 A sequence of L tokens is sent without its last token: the prompt logprobs of those L-1 tokens
 score tokens 1..L-2, and the logprobs of the one token sampled after them (raw, like prompt
@@ -10,6 +19,8 @@ context one position longer may exceed what the model allows.
 vLLM's prompt logprobs come before any sampling processor, i.e. at temperature 1. A teacher
 temperature T != 1 is honoured exactly by asking for the whole vocabulary and re-normalising
 `log_softmax(logprob / T)` in float64 before taking the top-k (costlier: V entries per position).
+vLLM builds Python objects per position and entry on this path: on an H200, 2.66 s for 34K tokens
+of a 1.7B teacher whose forward is ~0.15 s of GPU work.
 
 `output="hidden"`: the engine runs as a pooling model and returns every position's final-norm
 hidden state (bf16 `HiddenTeacher` rows, `teacher/hidden_states.py`); the loss applies the
@@ -23,11 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opkd_mcore.config.schema import TEACHER_SCORINGS
 from opkd_mcore.losses.teacher_outputs import HiddenTeacher, TopKTeacher
 from opkd_mcore.platform import is_cpu
 from opkd_mcore.rollout.engine_env import child_pids, engine_environment, yield_cpu_to_trainer
 from opkd_mcore.rollout.vllm_rollout import shutdown_llm
 from opkd_mcore.teacher.base import Teacher, check_outputs, check_sequences, topk_from_flat
+from opkd_mcore.teacher.device_topk import WORKER_EXTENSION, device_scoring_blocker, unpack_rows
 from opkd_mcore.teacher.hidden_states import POOLING_TASK, engine_kwargs, rows_from_states
 
 logger = logging.getLogger(__name__)
@@ -47,10 +60,18 @@ class VllmTeacherConfig:
     use_tqdm: bool = False  # vLLM's progress bar per score call
     extra_engine_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as is
     output: str = "topk"  # topk: TopKTeacher rows | hidden: final-norm hidden states (HiddenTeacher rows)
+    # top-k rows by: device (on the engine's device, teacher/device_topk.py) | prompt_logprobs |
+    # auto (device where it reproduces the checkpoint's logits, see the module docstring)
+    scoring: str = "auto"
 
     def validate(self) -> None:
         if self.output not in ("topk", "hidden"):
             raise ValueError(f"teacher.output: expected 'topk' or 'hidden', got {self.output!r}")
+        if self.scoring not in TEACHER_SCORINGS:
+            raise ValueError(f"teacher.scoring: expected one of {TEACHER_SCORINGS}, got {self.scoring!r}")
+        if self.output == "hidden" and self.scoring != "auto":
+            raise ValueError(f"teacher.scoring: {self.scoring!r} chooses how top-k rows are computed; "
+                             "a teacher with output 'hidden' sends hidden states (leave it 'auto')")
         if self.output == "hidden" and self.temperature != 1.0:
             raise ValueError("teacher.temperature: hidden states carry no temperature (the loss's "
                              f"loss.temperature applies to the logits it forms); got {self.temperature}")
@@ -69,9 +90,12 @@ def _engine_limits(llm) -> tuple[int, int]:
 class VllmTeacher(Teacher):
     """Scores sequences with an in-process `vllm.LLM` (built from `model`, or an existing engine).
 
-    An engine passed in must have been built with `max_logprobs >= k` (or the vocabulary size
-    when temperature != 1), without prefix caching, which would skip cached positions, and with
-    raw logprobs (`logprobs_mode="raw_logprobs"`, vLLM's default: the last row is a sampled token's).
+    An engine passed in is scored as it was built: a pooling engine with the device scorer's worker
+    extension (`runner="pooling"`, `worker_extension_cls=device_topk.WORKER_EXTENSION`, the
+    `hidden_states.engine_kwargs` pooler) by `device`; a generate engine by `prompt_logprobs`, which
+    needs `max_logprobs >= k` (or the vocabulary size when temperature != 1), no prefix caching,
+    which would skip cached positions, and raw logprobs (`logprobs_mode="raw_logprobs"`, vLLM's
+    default: the last row is a sampled token's).
     """
 
     def __init__(self, model, cfg: VllmTeacherConfig | None = None):
@@ -79,24 +103,22 @@ class VllmTeacher(Teacher):
         self.cfg.validate()
         if isinstance(model, str):
             self._address = model
+            self.scoring = self._scoring_for_checkpoint(model)
             self.llm = self._build_engine(model)
             self._owns_engine = True
         else:
             self._owns_engine = False
             self._address = f"in-process engine of {model.llm_engine.model_config.model}"
             self.llm = model
+            self.scoring = self._scoring_for_engine(model)
         self.max_logprobs, self.vocab_size = _engine_limits(self.llm)
-        mode = self.llm.llm_engine.model_config.logprobs_mode
-        if self.cfg.output == "topk" and mode != "raw_logprobs":
-            raise ValueError(f"teacher engine: {self._address} reports {mode!r} logprobs; the last row of "
-                             "each sequence is a sampled token's logprobs, which must be 'raw_logprobs' "
-                             "like the prompt logprobs of the others")
-        needed = self.vocab_size if self._full_vocab else self.cfg.k
-        if self.cfg.output == "topk" and self.max_logprobs != -1 and self.max_logprobs < needed:
-            raise ValueError(
-                f"teacher.k: {self._address} returns at most {self.max_logprobs} logprobs per "
-                f"position, {needed} needed (k={self.cfg.k}, temperature={self.cfg.temperature}); "
-                "build the engine with a larger max_logprobs")
+        if self.scoring == "prompt_logprobs":
+            self._check_logprobs_engine()
+        elif self.scoring == "device":
+            self._set_device_scorer()
+        if self.scoring != "hidden":
+            how = "the engine's device scorer" if self.scoring == "device" else "vLLM's prompt_logprobs"
+            logger.info("teacher %s: top-%d rows by %s", self._address, self.cfg.k, how)
 
     def close(self) -> None:
         """Stop the engine this teacher built (an engine passed in belongs to the caller)."""
@@ -111,12 +133,67 @@ class VllmTeacher(Teacher):
     def address(self) -> str:
         return self._address
 
+    def _scoring_for_checkpoint(self, model_dir: str) -> str:
+        """hidden | device | prompt_logprobs for an engine this teacher builds."""
+        cfg = self.cfg
+        if cfg.output == "hidden" or cfg.scoring == "prompt_logprobs":
+            return "hidden" if cfg.output == "hidden" else "prompt_logprobs"
+        blocker = device_scoring_blocker(model_dir)
+        if blocker is None:
+            return "device"
+        if cfg.scoring == "device":
+            raise ValueError(f"teacher.scoring: 'device' cannot reproduce the logits of {model_dir}: "
+                             f"{blocker}; use 'prompt_logprobs' (or 'auto')")
+        logger.info("teacher %s: top-k rows by prompt_logprobs, not on the device: %s", model_dir, blocker)
+        return "prompt_logprobs"
+
+    def _scoring_for_engine(self, llm) -> str:
+        """hidden | device | prompt_logprobs for an engine passed in: what it was built for."""
+        if self.cfg.output == "hidden":
+            return "hidden"
+        runner = llm.llm_engine.model_config.runner_type
+        built_for = "device" if runner == "pooling" else "prompt_logprobs"
+        if self.cfg.scoring not in ("auto", built_for):
+            raise ValueError(
+                f"teacher.scoring: {self.cfg.scoring!r} needs an engine built for it; {self._address} runs "
+                f"vLLM's {runner!r} runner (device: runner='pooling' with worker_extension_cls="
+                f"{WORKER_EXTENSION!r}; prompt_logprobs: the generate runner)")
+        return built_for
+
+    def _check_logprobs_engine(self) -> None:
+        mode = self.llm.llm_engine.model_config.logprobs_mode
+        if mode != "raw_logprobs":
+            raise ValueError(f"teacher engine: {self._address} reports {mode!r} logprobs; the last row of "
+                             "each sequence is a sampled token's logprobs, which must be 'raw_logprobs' "
+                             "like the prompt logprobs of the others")
+        needed = self.vocab_size if self._full_vocab else self.cfg.k
+        if self.max_logprobs != -1 and self.max_logprobs < needed:
+            raise ValueError(
+                f"teacher.k: {self._address} returns at most {self.max_logprobs} logprobs per "
+                f"position, {needed} needed (k={self.cfg.k}, temperature={self.cfg.temperature}); "
+                "build the engine with a larger max_logprobs")
+
+    def _set_device_scorer(self) -> None:
+        """k and the temperature of the engine's device scorer (installed by the first call). Set
+        before every call too: teachers sharing an engine (one at a time) each get their own."""
+        try:
+            answers = self.llm.collective_rpc("opkd_topk_scorer", args=(self.cfg.k, self.cfg.temperature))
+        except Exception as err:  # vLLM re-raises a worker's error as its own types, per release
+            raise RuntimeError(f"teacher engine: {self._address} could not set up its device top-k scorer "
+                               f"(built with worker_extension_cls={WORKER_EXTENSION!r}?): {err}") from err
+        vocabs = {a["vocab_size"] for a in answers}
+        if vocabs != {self.vocab_size}:
+            raise RuntimeError(f"teacher engine: {self._address}: its workers score vocabularies {vocabs}, "
+                               f"the engine's is {self.vocab_size}")
+
     def _build_engine(self, model_dir: str):
         from vllm import LLM
 
         cfg = self.cfg
-        if cfg.output == "hidden":
+        if self.scoring == "hidden":
             mode = engine_kwargs()
+        elif self.scoring == "device":
+            mode = dict(engine_kwargs(), worker_extension_cls=WORKER_EXTENSION)
         else:
             mode = dict(max_logprobs=-1 if self._full_vocab else cfg.k)
 
@@ -134,8 +211,10 @@ class VllmTeacher(Teacher):
         from vllm import SamplingParams
 
         seqs = check_sequences(sequences)
-        if self.cfg.output == "hidden":
+        if self.scoring == "hidden":
             return self._score_hidden(seqs)
+        if self.scoring == "device":
+            return self._score_device(seqs)
         request_k = self.vocab_size if self._full_vocab else self.cfg.k
         # detokenize=False: no decoded string per top-k entry, which dominates the cost at large k;
         # flat_logprobs: a few flat lists per sequence instead of a dict of objects per position
@@ -146,6 +225,15 @@ class VllmTeacher(Teacher):
         outputs = self.llm.generate([{"prompt_token_ids": s[:-1]} for s in seqs], params,
                                     use_tqdm=self.cfg.use_tqdm)
         scored = [self._rows(s, out, i) for i, (s, out) in enumerate(zip(seqs, outputs))]
+        check_outputs(seqs, scored, self._address)
+        return scored
+
+    def _score_device(self, seqs: list[list[int]]) -> list[TopKTeacher]:
+        self._set_device_scorer()
+        outputs = self.llm.encode([{"prompt_token_ids": s} for s in seqs], pooling_task=POOLING_TASK,
+                                  use_tqdm=self.cfg.use_tqdm)
+        scored = [unpack_rows(out.outputs.data, self.cfg.k, self.vocab_size, f"{self._address}: sequence {i}")
+                  for i, out in enumerate(outputs)]
         check_outputs(seqs, scored, self._address)
         return scored
 

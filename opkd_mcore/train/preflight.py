@@ -143,21 +143,23 @@ def _probe_server(path: str, key: str, url: str, t: TeacherEndpoint, max_model_l
     made once, without retries."""
     output = "hidden" if teacher_output(t) == "hidden" else "topk"
     client = RemoteVllmTeacher(RemoteTeacherConfig(
-        url=url, k=t.top_k, output=output, student_vocab_size=student_vocab, timeout_s=PROBE_TIMEOUT_S,
-        max_retries=0))
+        url=url, k=t.top_k, output=output, scoring=t.scoring, student_vocab_size=student_vocab,
+        timeout_s=PROBE_TIMEOUT_S, max_retries=0))
     try:
-        _check_served_length(key, url, client.served_model(), max_model_len, output)
+        served = client.served_model()
         client.check_server()
+        _check_served_length(key, url, served, max_model_len, client.scoring)
     except MaxLogprobsError as err:
         raise ConfigError(f"{path}.top_k: {err}") from None
     except TeacherError as err:
         raise ConfigError(f"{key}: {err}") from None
 
 
-def _check_served_length(key: str, url: str, served: dict, max_model_len: int, output: str) -> None:
+def _check_served_length(key: str, url: str, served: dict, max_model_len: int, scoring: str) -> None:
     # prompt logprobs score the whole sequence as a prompt, and vLLM's generate runner refuses a
-    # prompt that leaves no position for the one token it generates; the pooling runner does not
-    need = max_model_len + (output == "topk")
+    # prompt that leaves no position for the one token it generates; the pooling runner (hidden
+    # states, and the device-scoring server) does not
+    need = max_model_len + (scoring == "prompt_logprobs")
     length = served.get("max_model_len")
     if isinstance(length, int) and length < need:
         raise ConfigError(f"{key}: teacher server {url} serves {served['id']!r} with max_model_len "

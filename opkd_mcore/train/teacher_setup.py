@@ -59,11 +59,12 @@ def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None
         # logprobs of a token sampled after the others, see vllm_teacher)
         return VllmTeacher(t.model, VllmTeacherConfig(
             k=t.top_k, max_model_len=cfg.rollout.max_model_len, seed=cfg.rollout.seed, dtype=t.dtype,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, scoring=t.scoring,
             output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "remote":
         # the server is asked once whether it can score every id the student may sample
         return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k, student_vocab_size=student_vocab,
+                                                     scoring=t.scoring,
                                                      output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "hf":
         dtype = TORCH_DTYPES["float32" if t.dtype == "auto" else t.dtype]
