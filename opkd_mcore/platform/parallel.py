@@ -89,12 +89,13 @@ def _init_process_group(backend: str, timeout_minutes: int) -> None:
     if dist.is_initialized():
         return
     timeout = timedelta(minutes=timeout_minutes)
-    if "WORLD_SIZE" in os.environ:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
         return
-    # A plain `python script.py`: a one-rank group so the same code path runs unchanged. Nobody joins
-    # it, so any port does: the OS picks one for a socket the store takes over (no pick-then-bind
-    # race with another process), and the store answers on MASTER_ADDR only
+    # One rank (a plain `python script.py`, a launcher's single rank, or this process again after an
+    # earlier one-rank group was destroyed): nobody joins it, so any port does: the OS picks one for a
+    # socket the store takes over (no pick-then-bind race with another process, and never the port of
+    # an earlier group's store, which may still be bound), and the store answers on MASTER_ADDR only
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     store = serve_store(host, 1, timeout)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=host, MASTER_PORT=str(store.port))

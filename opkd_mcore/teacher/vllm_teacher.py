@@ -161,17 +161,17 @@ class VllmTeacher(Teacher):
         return built_for
 
     def _check_logprobs_engine(self) -> None:
-        mode = self.llm.llm_engine.model_config.logprobs_mode
-        if mode != "raw_logprobs":
-            raise ValueError(f"teacher engine: {self._address} reports {mode!r} logprobs; the last row of "
-                             "each sequence is a sampled token's logprobs, which must be 'raw_logprobs' "
-                             "like the prompt logprobs of the others")
         needed = self.vocab_size if self._full_vocab else self.cfg.k
         if self.max_logprobs != -1 and self.max_logprobs < needed:
             raise ValueError(
                 f"teacher.k: {self._address} returns at most {self.max_logprobs} logprobs per "
                 f"position, {needed} needed (k={self.cfg.k}, temperature={self.cfg.temperature}); "
                 "build the engine with a larger max_logprobs")
+        mode = self.llm.llm_engine.model_config.logprobs_mode
+        if mode != "raw_logprobs":
+            raise ValueError(f"teacher engine: {self._address} reports {mode!r} logprobs; the last row of "
+                             "each sequence is a sampled token's logprobs, which must be 'raw_logprobs' "
+                             "like the prompt logprobs of the others")
 
     def _set_device_scorer(self) -> None:
         """k and the temperature of the engine's device scorer (installed by the first call). Set
