@@ -35,6 +35,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("addition",)
 CHAT_TEMPLATES = ("auto", "always", "none")
 OVERLONG_POLICIES = ("error", "skip")  # data.overlong
+MISSING_TEACHER_PROMPT_POLICIES = ("error", "skip")  # data.missing_teacher_prompt
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BUILTIN_REWARDS = ("exact_match",)  # data.rewards values besides "module:function"
 SEED_MAX = 2**31 - 1  # seeds reach numpy (32-bit) after Megatron and vLLM add rank/step offsets
@@ -302,6 +303,15 @@ class DataSection:
     found before any engine starts: error (each named by file:line and length) | skip (removed before
     sampling: prompt_index and the audit's dataset size count the kept prompts; the log says how many,
     <output_dir>/skipped_prompts.jsonl lists each by index as read, file location and length)"""
+    teacher_prompt_key: str | None = None
+    """column holding the teacher's own prompt (privileged context: a reference solution, feedback), a text or
+    chat messages; the teacher scores the student's response after it. None = the student's prompt"""
+    teacher_prompt_template: str | None = None
+    """the teacher's own prompt as a str.format template over the record's fields, e.g. "{prompt} (a correct
+    solution: {solution})" ({prompt}: the record's text prompt); exclusive with teacher_prompt_key"""
+    missing_teacher_prompt: str = "error"
+    """a record without its teacher prompt's field: error (each named by file:line and field) | skip (left out
+    before sampling, listed in <output_dir>/skipped_prompts.jsonl like data.overlong: skip)"""
     rewards: dict[str, str] = field(default_factory=dict)
     """data_source -> "exact_match" | "module:function" """
     task: str | None = "addition"

@@ -14,6 +14,7 @@ from opkd_mcore.config.checks import (
     check_finite,
     check_url,
     choice,
+    format_fields,
     in_range,
     non_empty,
     positive,
@@ -48,6 +49,7 @@ from opkd_mcore.config.schema import (
     LOSS_FORMS,
     LOSS_IMPLS,
     MASSES,
+    MISSING_TEACHER_PROMPT_POLICIES,
     OVERLAPPED_SCHEDULES,
     OVERLONG_POLICIES,
     PLACEMENTS,
@@ -347,6 +349,7 @@ def _check_data(cfg: TrainConfig, check_files: bool) -> None:
         non_empty(f"data.{key}", getattr(data, key))
     choice("data.chat_template", data.chat_template, CHAT_TEMPLATES)
     choice("data.overlong", data.overlong, OVERLONG_POLICIES)
+    _check_teacher_prompts(data)
     for source, reward in data.rewards.items():
         if not source.strip():
             raise ConfigError(f"data.rewards: expected data_source names as keys, got {source!r}")
@@ -364,6 +367,27 @@ def _check_data(cfg: TrainConfig, check_files: bool) -> None:
             raise ConfigError(f"data.{key}: expected a .jsonl or .parquet file, got {value!r}")
         if check_files and not os.path.isfile(value):
             raise ConfigError(f"data.{key}: file {value!r} does not exist")
+
+
+def _check_teacher_prompts(data) -> None:
+    """The teacher's own prompt per record: from one field or one template, never both."""
+    choice("data.missing_teacher_prompt", data.missing_teacher_prompt, MISSING_TEACHER_PROMPT_POLICIES)
+    key, template = data.teacher_prompt_key, data.teacher_prompt_template
+    if key is not None and template is not None:
+        raise ConfigError("data.teacher_prompt_template: set either data.teacher_prompt_key (a field holding "
+                          "the teacher's prompt) or data.teacher_prompt_template (a template over the "
+                          "record's fields), not both")
+    if key is not None:
+        non_empty("data.teacher_prompt_key", key)
+    if template is None:
+        return
+    try:
+        fields = format_fields(template)
+    except ValueError as err:
+        raise ConfigError(f"data.teacher_prompt_template: {err}; got {template!r}") from None
+    if not fields:
+        raise ConfigError(f"data.teacher_prompt_template: names no record field (e.g. {{solution}}), so "
+                          f"every teacher prompt would be the same text; got {template!r}")
 
 
 def _check_run(cfg: TrainConfig) -> None:

@@ -42,6 +42,7 @@ from opkd_mcore.engine.lm_head import LmHeadInput, gpt_model, hidden_output, hid
 from opkd_mcore.engine.moe_stats import MoeStepStats
 from opkd_mcore.engine.optim import build_optimizer, clip_and_step, ddp_config
 from opkd_mcore.engine.packing import PackedBatch, pad_for_pipeline
+from opkd_mcore.engine.response_pairing import gather_rows
 from opkd_mcore.engine.teacher_in_step import PairedChunk, paired_chunks, unpair
 from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, MalformedTeacherOutputError
 from opkd_mcore.models.builder import layout_of
@@ -156,9 +157,15 @@ class MegatronEngine:
 
     def _run_model(self, model, batch: PackedBatch, hidden: bool = False) -> torch.Tensor:
         """Logits of the last stage, or with `hidden` its final-norm hidden states (fused LM head)."""
+        extra = {}
+        if batch.teacher_tokens is not None:  # an in-step teacher with prompts of its own
+            t = batch.teacher_tokens
+            extra["teacher_input"] = (t.tokens.unsqueeze(0), t.position_ids.unsqueeze(0),
+                                      t.packed_seq_params())
+
         def run():
             return model(batch.tokens.unsqueeze(0), batch.position_ids.unsqueeze(0), attention_mask=None,
-                         packed_seq_params=batch.packed_seq_params())
+                         packed_seq_params=batch.packed_seq_params(), **extra)
         if not hidden:
             return run()
 
@@ -186,6 +193,21 @@ class MegatronEngine:
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group(), trainable=False)
         return HiddenTeacher(rows.detach().to(dtype), output_weight(gpt).detach().to(dtype), self.teacher.vocab_size)
 
+    def _paired_teacher(self, model, hidden_SBH: torch.Tensor, batch: PackedBatch, dtype: torch.dtype,
+                        fused_head: bool):
+        """An in-step teacher that ran on its own packing (`batch.teacher_tokens`): its final hidden
+        states, the rows of the response tokens gathered into the student's layout (`[T, H]`, not
+        `[T, V]`), then (without the fused LM head) its output layer on those rows only."""
+        gpt = model.teacher[0]
+        weight = output_weight(gpt).detach()
+        hidden = self._teacher_hidden(model, hidden_SBH, batch.teacher_tokens.num_tokens,
+                                      dtype if fused_head else weight.dtype)
+        paired = gather_rows(hidden, batch.teacher_index)
+        if fused_head:
+            return paired
+        logits = torch.matmul(paired.hidden, weight.t())  # the output layer's GEMM, on the paired rows
+        return DenseTeacher(self._mask_padding(logits, self.teacher.vocab_size))
+
     def _forward_step_func(self, loss_fn: LossFn | None, fused_head: bool = False):
         """Megatron's forward_step_func: returns (output, loss closure) for one micro-batch; with
         `fused_head` the last stage hands `loss_fn` an `LmHeadInput` instead of logits."""
@@ -197,7 +219,9 @@ class MegatronEngine:
             if isinstance(output, tuple):  # last stage of a step with the teacher in it
                 output, teacher_out = output
                 batch = copy.copy(batch)  # the engine's own copy: the caller's batch is not changed
-                if fused_head:
+                if batch.teacher_index is not None:  # its own prompts: its response rows, paired with ours
+                    batch.teacher = self._paired_teacher(model, teacher_out, batch, output.dtype, fused_head)
+                elif fused_head:
                     batch.teacher = self._teacher_hidden(model, teacher_out, batch.num_tokens, output.dtype)
                 else:
                     teacher_logits = self._rows(teacher_out, batch.num_tokens)
@@ -240,7 +264,11 @@ class MegatronEngine:
         if len(self.model) > 1 and len(micro_batches) < pp:
             raise ValueError(f"micro_batches: the interleaved pipeline ({len(self.model)} chunks per stage) "
                              f"needs at least pp={pp} micro-batches, got {len(micro_batches)}")
-        seq_length = max(mb.num_tokens for mb in micro_batches)
+        if not with_teacher and any(mb.teacher_tokens is not None for mb in micro_batches):
+            raise ValueError("micro_batches: they carry an in-step teacher's own packing (teacher_tokens), "
+                             "but this engine has no teacher in its step")
+        seq_length = max(max(mb.num_tokens, 0 if mb.teacher_tokens is None else mb.teacher_tokens.num_tokens)
+                         for mb in micro_batches)
         inputs = [pad_for_pipeline(mb, seq_length) if self.pipelined else mb for mb in micro_batches]
         # one iterator per VPP chunk: every chunk reads the same micro-batches in the same order
         iterators = [iter(list(zip(micro_batches, inputs))) for _ in self.model]

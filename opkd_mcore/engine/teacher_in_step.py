@@ -14,12 +14,21 @@ messages and in the same order; the teacher half is detached, so its gradient is
 The teacher's TP-sharded logits therefore appear on the rank that computes the student's loss for
 the same vocabulary shard, one micro-batch at a time (as many as the pipeline has in flight), and
 nothing dense crosses ranks or processes.
+
+A teacher with prompts of its own (privileged context) runs on its own packing of the micro-batch
+(teacher prompt + the same response), padded to the student's length under PP so that the two
+halves still travel as one tensor; its last stage returns final-norm hidden states, and the engine
+gathers the rows of the response tokens into the student's layout before the output layer
+(`engine/response_pairing.py`): `[T, H]` rows move, never `[T, V]` logits.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
+
+from opkd_mcore.engine.lm_head import hidden_output
 
 
 class InStepTeacher:
@@ -57,6 +66,9 @@ class PairedChunk(torch.nn.Module):
     Megatron's schedule sees this module: `config` is the student's with the hidden size of the
     concatenated p2p tensor, `set_input_tensor` splits what the previous stage sent, and
     `module` points at the student for everything else Megatron looks up (`model_type`, layers).
+    The teacher chunk may be the student's own module (a self teacher with the current weights):
+    each forward then sets its own input tensor right before it runs, and the teacher's forward runs
+    in eval mode (no dropout) without building a graph.
     """
 
     def __init__(self, student, teacher, config, student_hidden: int, teacher_hidden: int,
@@ -71,26 +83,49 @@ class PairedChunk(torch.nn.Module):
             config.hidden_size = student_hidden + teacher_hidden
         self.config = config
         self.post_process = _unwrap(student).post_process
+        self._inputs = (None, None)  # (student, teacher) halves of what the previous stage sent
 
     def set_input_tensor(self, input_tensor) -> None:
         tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
         if tensor is None:  # first stage: the models embed the tokens themselves
-            _unwrap(self.module).set_input_tensor(None)
-            self.teacher[0].set_input_tensor(None)
+            self._inputs = (None, None)
             return
         student, teacher = tensor.split([self.student_hidden, self.teacher_hidden], dim=-1)
-        _unwrap(self.module).set_input_tensor(student.contiguous())
         teacher_dtype = self.teacher[0].config.params_dtype
-        self.teacher[0].set_input_tensor(teacher.detach().to(teacher_dtype).contiguous())
+        self._inputs = (student.contiguous(), teacher.detach().to(teacher_dtype).contiguous())
 
-    def forward(self, *args, **kwargs):
-        """Last stage: (student logits, teacher logits); other stages: the concatenated hidden."""
+    def forward(self, *args, teacher_input=None, **kwargs):
+        """Last stage: (student logits, teacher output); other stages: the concatenated hidden.
+
+        `teacher_input`: (tokens, position ids, packed_seq_params) of the teacher's own packing of the
+        micro-batch (prompts of its own); its last stage then returns final-norm hidden states, whose
+        response rows the engine pairs with the student's (`engine/response_pairing.py`)."""
+        _unwrap(self.module).set_input_tensor(self._inputs[0])
         student_out = self.module(*args, **kwargs)
-        with torch.no_grad():
-            teacher_out = self.teacher[0](*args, **kwargs)
+        teacher = self.teacher[0]
+        teacher.set_input_tensor(self._inputs[1])
+        with torch.no_grad(), _evaluating(teacher):
+            if teacher_input is None:
+                teacher_out = teacher(*args, **kwargs)
+            else:
+                tokens, positions, packed = teacher_input
+                with hidden_output(teacher) if self.post_process else contextlib.nullcontext():
+                    teacher_out = teacher(tokens, positions, attention_mask=None, packed_seq_params=packed)
         if self.post_process:
             return student_out, teacher_out
         return torch.cat([student_out, teacher_out.to(student_out.dtype)], dim=-1)
+
+
+@contextlib.contextmanager
+def _evaluating(module):
+    """`module` (and every submodule) in eval mode inside the block, each restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def _unwrap(module):

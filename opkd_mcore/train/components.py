@@ -13,7 +13,7 @@ import os
 
 from opkd_mcore.config.loss_rules import teacher_kind
 from opkd_mcore.config.schema import OptimSection, TrainConfig
-from opkd_mcore.data import PromptSampler, build_train_set
+from opkd_mcore.data import Overlong, PromptSampler, build_train_set
 from opkd_mcore.data.rewards import TaskRewards
 from opkd_mcore.engine.megatron_engine import MegatronEngine
 from opkd_mcore.losses.plan import LossPlan, resolve_loss_plan
@@ -192,12 +192,18 @@ def record_skipped(cfg: TrainConfig, train_set, skipped) -> None:
     if not is_rank0():
         return
     path = write_skipped(cfg.run.output_dir, [o.to_dict() for o in skipped])
-    if skipped:
+    total = len(skipped) + len(train_set)
+    overlong = [o for o in skipped if isinstance(o, Overlong)]
+    if overlong:
         ro = cfg.rollout
         logger.warning("data.overlong: skip: %d of %d prompts of %s leave no room for rollout.max_new_tokens "
                        "= %d in rollout.max_model_len = %d; training on the other %d (the skipped ones are "
-                       "listed in %s)", len(skipped), len(skipped) + len(train_set), train_set.name,
+                       "listed in %s)", len(overlong), total, train_set.name,
                        ro.max_new_tokens, ro.max_model_len, len(train_set), path)
+    if len(overlong) < len(skipped):
+        logger.warning("data.missing_teacher_prompt: skip: %d of %d records of %s have no teacher prompt; "
+                       "training on the other %d (the skipped ones are listed in %s)",
+                       len(skipped) - len(overlong), total, train_set.name, len(train_set), path)
 
 
 def build_run(cfg: TrainConfig, *, resume: bool = False):
