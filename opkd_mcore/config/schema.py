@@ -19,11 +19,13 @@ KL_ESTIMATORS = ("k1", "k3")
 LOSS_IMPLS = ("auto", "reference", "fused", "triton", "cpp")
 FUSED_LM_HEAD_MODES = ("auto", "on", "off")
 LM_HEAD_ENGINES = ("auto", "tiles", "chunked", "rows")
-TEACHER_BACKENDS = ("vllm", "remote", "hf", "megatron")
-TEACHER_OUTPUTS = ("auto", "topk", "dense", "hidden")  # auto: dense for megatron, top-k for the others
+TEACHER_BACKENDS = ("vllm", "remote", "hf", "megatron", "self")
+# auto: dense for megatron and self, top-k for the others
+TEACHER_OUTPUTS = ("auto", "topk", "dense", "hidden")
 HIDDEN_BACKENDS = ("vllm", "remote")  # backends that can hand over final-norm hidden states
-TOPK_BACKENDS = ("vllm", "remote", "hf")
-DENSE_BACKENDS = ("megatron", "hf")  # backends that can hand the loss full-vocabulary logits
+TOPK_BACKENDS = ("vllm", "remote", "hf", "self")
+DENSE_BACKENDS = ("megatron", "hf", "self")  # backends that can hand the loss full-vocabulary logits
+SELF_WEIGHTS = ("current", "initial", "ema")  # teacher.teachers.N.weights of a self teacher
 ROUTINGS = ("data_source",)
 SCHEDULES = ("sync", "one_step_off", "two_step_off", "async")
 OVERLAPPED_SCHEDULES = ("one_step_off", "two_step_off", "async")  # need controller.kind: ray
@@ -162,9 +164,10 @@ class TeacherEndpoint:
     name: str = "teacher"
     """label used in metrics and routing"""
     backend: str = "vllm"
-    """vllm (in-process) | remote (OpenAI server) | hf (transformers): top-k; megatron: dense"""
+    """vllm (in-process) | remote (OpenAI server) | hf (transformers): top-k; megatron: dense; self: the
+    student itself (no model), usually with a prompt of its own (data.teacher_prompt_key / _template)"""
     model: str = ""
-    """HF checkpoint directory (vllm, megatron)"""
+    """HF checkpoint directory (vllm, megatron); empty for self"""
     url: str | None = None
     """base URL of the OpenAI server (remote)"""
     top_k: int = 16
@@ -175,10 +178,17 @@ class TeacherEndpoint:
     """more servers of this teacher (remote), load-balanced: each chunk of sequences goes to the least-loaded
     reachable replica"""
     output: str = "auto"
-    """auto | topk | dense (megatron, hf) | hidden (vllm, remote: hidden states, the trainer applies the
-    teacher's output weight from `model`)"""
+    """auto | topk | dense (megatron, hf, self) | hidden (vllm, remote: hidden states, the trainer applies the
+    teacher's output weight from `model`). self: dense (auto) runs a no-grad forward of the student's chunks
+    in its step; topk has the rollout engine score with prompt logprobs (torchrun, weights: current)"""
     offload: bool = False
-    """megatron: keep the teacher's weights in host memory between steps"""
+    """megatron, or self with weights initial | ema: the teacher's weights in host memory between steps"""
+    weights: str = "current"
+    """self: current (the student's weights now, no copy) | initial (a frozen copy of the starting weights:
+    what backend megatron with model = model.student builds) | ema (a float32 moving average of the
+    student's weights, sharded like it, updated after each optimizer step, kept in run checkpoints)"""
+    ema_decay: float = 0.999
+    """self, weights: ema: after each optimizer step ema = decay * ema + (1 - decay) * student; in (0, 1)"""
     dtype: str = "auto"
     """auto | float32 | bfloat16 | float16: the compute dtype of a vllm or hf teacher. auto: vLLM's choice
     for vllm (a float32 checkpoint runs in bfloat16: slow on CPUs without AVX-512 BF16, and not what a

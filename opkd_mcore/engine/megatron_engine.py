@@ -330,6 +330,8 @@ class MegatronEngine:
         if applied:
             self.scheduler.step(increment=1)
             self.num_steps += 1
+            if self.teacher is not None:  # a teacher that follows the student (EMA) takes the new weights
+                self.teacher.after_update(self.model)
         elif not finite_loss or not math.isfinite(grad_norm):
             self.num_skipped_steps += 1
             logger.warning("step skipped: loss %s, gradient norm %s (not finite); no update applied",

@@ -38,6 +38,8 @@ class InStepTeacher:
     vocabulary: the loss compares distributions over the ids the student can emit).
     """
 
+    stateful = False  # whether run checkpoints keep its weights (`save_state` / `load_state`)
+
     def __init__(self, teacher, *, vocab_size: int):
         self.teacher = teacher  # opkd_mcore.teacher.megatron_teacher.MegatronTeacher
         self.chunks = teacher.engine.model
@@ -58,6 +60,9 @@ class InStepTeacher:
         """Weights back to host memory after a step when the teacher is configured to offload."""
         if self.teacher.cfg.offload_between_calls:
             self.teacher.offload()
+
+    def after_update(self, student_chunks: list) -> None:
+        """Called by the engine after each applied optimizer step; a frozen teacher does nothing."""
 
 
 class PairedChunk(torch.nn.Module):

@@ -2,6 +2,7 @@
 
     <output_dir>/checkpoints/step_000012/
         engine/               student model + optimizer + LR schedule (Megatron dist checkpoint)
+        teacher_ema/          a self teacher's moving average of the student (weights: ema), if any
         trainer_state.json    step, weight version, data-sampler position
         rng/rank_00000.pt     every RNG state of each rank (platform.rng_state)
         config.yaml           the resolved config the checkpoint was written with
@@ -46,6 +47,7 @@ LATEST = "latest"
 STEP_PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
 ENGINE_DIR = "engine"
+TEACHER_STATE_DIR = "teacher_ema"  # the weights of a teacher that follows the student (weights: ema)
 EXPORT_DIR = "student_hf"  # the final student as an HF checkpoint
 # Everything a run writes into its output directory (fnmatch patterns), and so everything
 # `--overwrite` removes: the export's staging directories and the JSONL files' truncation copies
@@ -118,12 +120,17 @@ def save_checkpoint(output_dir: str, engine, state: TrainerState, config_yaml: s
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
     engine.save_checkpoint(os.path.join(path, ENGINE_DIR))
+    teacher = _stateful_teacher(engine)
+    if teacher is not None:
+        teacher.save_state(os.path.join(path, TEACHER_STATE_DIR))
     _save_torch(capture_rng_states(), os.path.join(path, "rng", f"rank_{global_rank():05d}.pt"))
     _barrier()
     if global_rank() == 0:
         # trainer_state.json last, once every rank's part is durable: a directory holding it is a
         # complete checkpoint, which is what resume falls back to when `latest` is dangling
         fsync_tree(os.path.join(path, ENGINE_DIR))
+        if teacher is not None:
+            fsync_tree(os.path.join(path, TEACHER_STATE_DIR))
         fsync_path(os.path.join(path, "rng"))
         _write_text(os.path.join(path, "config.yaml"), config_yaml)
         _write_text(os.path.join(path, STATE_FILE), json.dumps(asdict(state), indent=2))
@@ -133,6 +140,12 @@ def save_checkpoint(output_dir: str, engine, state: TrainerState, config_yaml: s
     _barrier()
     logger.info("saved checkpoint %s", path)
     return path
+
+
+def _stateful_teacher(engine):
+    """The engine's in-step teacher when its weights are part of the run's state (an EMA), else None."""
+    teacher = getattr(engine, "teacher", None)
+    return teacher if getattr(teacher, "stateful", False) else None
 
 
 def _step_of(name: str) -> int | None:
@@ -456,6 +469,13 @@ def load_checkpoint(path: str, engine) -> TrainerState:
     if not os.path.isfile(os.path.join(path, STATE_FILE)):
         raise ValueError(f"checkpoint {path!r}: no {STATE_FILE} (not a complete checkpoint)")
     engine.load_checkpoint(os.path.join(path, ENGINE_DIR))
+    teacher = _stateful_teacher(engine)
+    if teacher is not None:
+        state_dir = os.path.join(path, TEACHER_STATE_DIR)
+        if not os.path.isdir(state_dir):
+            raise ValueError(f"checkpoint {path!r}: no {TEACHER_STATE_DIR}/ holding the weights of the "
+                             f"teacher {teacher.name}; it was written by a run without that teacher")
+        teacher.load_state(state_dir)
     rng_file = os.path.join(path, "rng", f"rank_{global_rank():05d}.pt")
     if os.path.isfile(rng_file):
         restore_rng_states(_load_rng_file(rng_file))
