@@ -235,3 +235,24 @@ def test_an_in_step_teacher_gets_its_own_packing_and_the_pairing_index(model_dir
     assert torch.equal(torch.nonzero(index >= 0).squeeze(1), rows)  # exactly the scored rows are paired
     # row t predicts token t+1; its teacher row predicts the same token in the teacher's packing
     assert torch.equal(batch.tokens[rows + 1], batch.teacher_tokens.tokens[index[rows] + 1])
+
+
+def test_the_ray_prompt_queue_keeps_each_prompts_teacher_prompt_across_a_checkpoint():
+    from opkd_mcore.controller.data_plane import PromptQueue
+    from opkd_mcore.data import PromptSampler
+    from opkd_mcore.train.stages import PromptBatch
+
+    def draw(indices, number):
+        return PromptBatch(indices=list(indices), prompt_ids=[[1, 3 + i] for i in indices],
+                           data=[{}] * len(indices), seeds=list(range(len(indices))),
+                           teacher_prompt_ids=[[1, 9, 3 + i] for i in indices])
+
+    queue = PromptQueue(draw, PromptSampler(5, 2, seed=0), 5, 2)
+    jobs = queue.take(3)
+    assert all(j.teacher_prompt_ids == [1, 9, 3 + j.prompt_index] for j in jobs)
+    restored = PromptQueue(draw, PromptSampler(5, 2, seed=0), 5, 2)
+    restored.load_state_dict(queue.state_dict())
+
+    def teacher_prompts(q):
+        return {key: job.teacher_prompt_ids for key, job in q.outstanding.items()}
+    assert teacher_prompts(restored) == teacher_prompts(queue) and len(teacher_prompts(queue)) == 4
