@@ -1,4 +1,4 @@
-"""`opkd demo [--quick] [--out DIR] [--overwrite]`: on-policy distillation end to end on a CPU.
+"""`opkd demo [--variant V] [--quick] [--out DIR] [--overwrite]`: on-policy distillation end to end on a CPU.
 
 Nothing is downloaded.
 
@@ -11,6 +11,8 @@ Nothing is downloaded.
    `transformers` from the checkpoints; a table, `summary.json`, `metrics.jsonl`, a PNG plot.
 
 `--quick` (CI) uses 1-digit addition, a short teacher SFT and a transformers-forward teacher.
+`--variant self_distill` runs `demo/self_distill.py` instead: no teacher model, the student taught by
+itself with the answer in its prompt.
 On an accelerator (`--device`, or auto-detected) the teacher runs inside the student's step
 (`backend: megatron`) with the same top-k objective from its dense logits: for a model this small a
 second vLLM engine's start-up and its per-step scoring call are most of the wall time there.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from opkd_mcore.config import ConfigError, TrainConfig, load_config
 from opkd_mcore.config.schema import OptimSection
 from opkd_mcore.data import ALPHABET, AdditionTask, encode_prompt
+from opkd_mcore.demo.common import prepare_demo_dir, prune_mlp, timing_means
 from opkd_mcore.demo.evaluate import (
     answer_ids,
     hf_greedy_accuracy,
@@ -37,22 +40,18 @@ from opkd_mcore.demo.evaluate import (
     vllm_greedy_accuracy,
     write_eval_file,
 )
+from opkd_mcore.demo.self_distill import SelfDistillDemo, quick_self_distill, run_self_distill_demo
 from opkd_mcore.demo.sft import SftConfig, run_sft
 from opkd_mcore.launch import train
 from opkd_mcore.models import save_hf_checkpoint
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from opkd_mcore.platform.device import DEVICE_TYPES, is_cpu
 from opkd_mcore.platform.parallel import destroy_parallel
-from opkd_mcore.train.checkpoint import RUN_ARTIFACTS, find_artifacts, remove_artifacts
 from opkd_mcore.train.components import build_student, init_distributed
 
 logger = logging.getLogger(__name__)
 
-# What the demo writes into --out besides the distillation run's own output (`RUN_ARTIFACTS`):
-# a directory holding any of them is refused, and --overwrite removes exactly these and those.
-DEMO_ARTIFACTS = ("teacher_init", "teacher_hf", ".teacher_hf.tmp-*", ".teacher_hf.old-*", "student_init",
-                  "eval.jsonl", "teacher_sft.jsonl", "summary.json", "distill.png")
-
+VARIANTS = ("distill", "self_distill")  # --variant: demo/run.py, demo/self_distill.py
 
 def demo_config_path() -> str:
     """The demo's distillation config, `demo_cpu.yaml` beside this module (package data)."""
@@ -97,6 +96,9 @@ def accelerator_overrides(top_k: int) -> list[str]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="opkd demo", description=__doc__.splitlines()[0])
+    p.add_argument("--variant", default="distill", choices=VARIANTS,
+                   help="distill: a small student from a trained teacher (default) | self_distill: one model "
+                        "learns from itself with the answer in its prompt (privileged context)")
     p.add_argument("--quick", action="store_true", help="small and short (CI): 1-digit addition")
     p.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     p.add_argument("--overwrite", action="store_true",
@@ -135,35 +137,6 @@ def train_teacher(demo: DemoConfig, init_dir: str, out_dir: str, train: list[dic
         destroy_parallel()
 
 
-def prune_mlp(teacher_dir: str, out_dir: str, neurons: int) -> str:
-    """An HF checkpoint of the teacher with every MLP cut to its first `neurons` neurons."""
-    import copy
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
-    if not 0 < neurons <= teacher.config.intermediate_size:
-        raise ValueError(f"student_mlp: expected 1..{teacher.config.intermediate_size}, got {neurons}")
-    config = copy.deepcopy(teacher.config)
-    config.intermediate_size = neurons
-    student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {}
-    for name, value in teacher.state_dict().items():
-        if name.endswith(("gate_proj.weight", "up_proj.weight")):
-            value = value[:neurons]
-        elif name.endswith("down_proj.weight"):
-            value = value[:, :neurons]
-        state[name] = value.contiguous()
-    student.load_state_dict(state, strict=True)
-    student.save_pretrained(out_dir, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if os.path.exists(os.path.join(teacher_dir, name)):
-            shutil.copy2(os.path.join(teacher_dir, name), os.path.join(out_dir, name))
-    return out_dir
-
-
 def distill(cfg, held_out: list[dict], demo: DemoConfig) -> list[dict]:
     """`opkd train` on the demo config, with greedy held-out accuracy every `eval_every` steps."""
     answer_len = len(held_out[0]["answer"]) + 1
@@ -175,21 +148,6 @@ def distill(cfg, held_out: list[dict], demo: DemoConfig) -> list[dict]:
         return {"eval/accuracy": vllm_greedy_accuracy(run.rollout, run.tokenizer, held_out, answer_len)}
 
     return train(cfg, step_hook=evaluate)
-
-
-def prepare_demo_dir(out: str, overwrite: bool) -> None:
-    """Refuse an `out` holding an earlier demo's or run's output, or with `overwrite` remove exactly
-    that output; before anything is built."""
-    patterns = DEMO_ARTIFACTS + RUN_ARTIFACTS
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"--out: {out} is an existing file; expected a directory")
-    found = find_artifacts(out, patterns)
-    if found and not overwrite:
-        raise ConfigError(f"--out: {out} holds an earlier demo's or run's output ({', '.join(found)}); "
-                          "replace it with --overwrite (nothing else in the directory is touched), or "
-                          "choose another --out")
-    if overwrite:
-        remove_artifacts(out, patterns)
 
 
 def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = None, *,
@@ -235,7 +193,7 @@ def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = Non
         "student_accuracy_after": after_acc, "kl_before": kl_before, "kl_after": kl_after,
         "seconds": time.perf_counter() - start, "seconds_teacher_sft": t_sft, "seconds_distill": t_distill,
         "distill_steps": len(history), "task": f"{demo.digits}-digit addition",
-        "num_eval": len(held_out), "timing_means": _timing_means(history),
+        "num_eval": len(held_out), "timing_means": timing_means(history),
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -246,23 +204,20 @@ def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = Non
     return summary
 
 
-def _timing_means(history: list[dict]) -> dict:
-    """Mean seconds per stage over the steps after the first (which includes warm-up)."""
-    rows = history[1:] or history
-    keys = sorted(k for k in rows[0] if k.startswith("timing/")) if rows else []
-    return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    demo = quick_demo() if args.quick else DemoConfig()
     overrides = list(args.overrides)
     if args.device:
-        os.environ["OPKD_DEVICE"] = args.device  # the teacher SFT and every engine follow it
+        os.environ["OPKD_DEVICE"] = args.device  # the supervised stage and every engine follow it
         overrides.insert(0, f"run.device={args.device}")
     try:
-        run_demo(demo, args.out, overrides, overwrite=args.overwrite)
+        if args.variant == "self_distill":
+            demo = quick_self_distill() if args.quick else SelfDistillDemo()
+            run_self_distill_demo(demo, args.out, overrides, overwrite=args.overwrite)
+        else:
+            demo = quick_demo() if args.quick else DemoConfig()
+            run_demo(demo, args.out, overrides, overwrite=args.overwrite)
     except ConfigError as err:  # the message names the option or key; a traceback adds nothing
         print(f"opkd demo: error: {err}", file=sys.stderr)
         return 2
