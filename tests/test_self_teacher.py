@@ -16,6 +16,8 @@ TP=2 and PP=2, with the loss on materialised logits and through the fused LM hea
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from tests._dist import require_devices, run_distributed
 
 V = 32
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +347,59 @@ def test_the_rollout_engine_scores_the_teacher_prompts_as_a_top_k_self_teacher(s
         torch.testing.assert_close(got_lp, ref.topk(6, -1).values, atol=VLLM_FP32_LOGPROB_ATOL, rtol=0)
         torch.testing.assert_close(ref.gather(1, got_ids), got_lp, atol=VLLM_FP32_LOGPROB_ATOL, rtol=0)
         assert (rows.ids[:p_s - 1] == -1).all()  # the student's prompt rows: padding
+
+
+# ---------------------------------------------------------------- end to end: opkd train
+def _opkd_train(root, student_dir, name, nproc, *overrides):
+    """Three steps of `opkd train` on the synthetic task, the teacher reading the answer before the prompt."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests._dist import free_port
+
+    out = str(root / name)
+    cfg = {"model": {"student": student_dir},
+           "parallel": {"micro_batch_size": 2, "global_batch_size": 8},
+           "loss": {"divergence": "forward_kl", "support": None},
+           "rollout": {"prompts_per_step": 4, "n": 2, "max_new_tokens": 4, "max_model_len": 64},
+           "teacher": {"teachers": [{"backend": "self", "weights": "initial"}]},
+           "optim": {"lr": 1e-3},
+           "data": {"num_train": 50, "num_eval": 10, "teacher_prompt_template": "{answer}+{prompt}"},
+           "logging": {"progress_bar": False},
+           "checkpoint": {"save_at_end": False, "export_hf_at_end": False},
+           "run": {"steps": 3, "output_dir": out}}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port()), "-m", "opkd_mcore.cli"]
+    proc = subprocess.run([*launcher, "train", "--config", str(path), *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_opkd_train_with_a_self_teacher_under_pp2_gives_the_losses_of_the_paired_reference(student, tmp_path):
+    """Through the launcher (prompts and teacher prompts encoded on every rank, rollout on rank 0):
+    the frozen self teacher in the PP=2 step gives the per-step losses of an `hf` teacher of the
+    student's checkpoint scoring teacher prompt + response on rank 0, and the current-weights teacher
+    the first step's."""
+    require_devices(2)
+    reference = _opkd_train(tmp_path, student, "hf", 1, "teacher.teachers.0.backend=hf",
+                            f"teacher.teachers.0.model={student}", "teacher.teachers.0.output=dense",
+                            "teacher.teachers.0.weights=current")
+    initial = _opkd_train(tmp_path, student, "self_initial_pp2", 2, "parallel.pp=2")
+    current = _opkd_train(tmp_path, student, "self_current_pp2", 2, "parallel.pp=2",
+                          "teacher.teachers.0.weights=current")
+    losses = [row["train/loss"] for row in reference]
+    assert losses[0] > 1e-3
+    assert [row["train/loss"] for row in initial] == pytest.approx(losses, rel=1e-4)
+    assert current[0]["train/loss"] == pytest.approx(losses[0], rel=1e-4)
+    assert all(row["timing/teacher"] == 0.0 for row in initial + current)  # scored inside the step
+    assert all(row["timing/teacher"] > 0.0 for row in reference)
