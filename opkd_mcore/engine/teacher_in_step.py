@@ -33,12 +33,12 @@ prompt + the response re-tokenized). Both use one mechanism:
   teacher's own layout (`CrossTokenizerTeacher.index`), so all M rows go through the output layer,
   over the teacher's own vocabulary (`InStepTeacher.own_vocabulary`).
 
-Where the two first designs differed, the simpler was kept: one packing field instead of the
+Each choice is the simpler of two that work: one packing field on the micro-batch rather than the
 teacher-side tokens inside the cross-tokenizer rows (both features need it, and the padding then
-happens in one function); a keyword instead of an attribute set on the chunk before each call
-(nothing to reset between micro-batches); hidden states then the output layer's GEMM instead of the
-model's own logits (the gather before the output layer is what makes teacher prompts cheap, and the
-cross-tokenizer case is the same path without the gather).
+happens in one function); a keyword rather than an attribute set on the chunk before each call
+(nothing to reset between micro-batches); hidden states then the output layer's GEMM rather than the
+model's own logits (the gather before the output layer is what keeps teacher prompts at `[T, H]`,
+and the cross-tokenizer case is the same path without the gather).
 """
 from __future__ import annotations
 
