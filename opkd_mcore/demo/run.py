@@ -79,11 +79,13 @@ class DemoConfig:
 
 
 def quick_demo() -> DemoConfig:
-    return DemoConfig(digits=1, num_eval=20, teacher_lr=5e-3, student_mlp=32, in_step_teacher_on_accelerator=False,
+    return DemoConfig(digits=1, num_eval=20, teacher_lr=5e-3, student_mlp=32,
+                      in_step_teacher_on_accelerator=False,
                       sft=SftConfig(steps=150, batch_size=64, micro_batch_size=64),
                       eval_every=5, overrides=["run.steps=40", "rollout.prompts_per_step=16",
-                                               "parallel.global_batch_size=32", "parallel.micro_batch_size=32",
-                                               "data.num_train=80", "teacher.teachers.0.backend=hf"])
+                                               "parallel.global_batch_size=32",
+                                               "parallel.micro_batch_size=32", "data.num_train=80",
+                                               "teacher.teachers.0.backend=hf"])
 
 
 def accelerator_overrides(top_k: int) -> list[str]:
