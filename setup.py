@@ -45,7 +45,7 @@ setup(
     packages=find_packages(include=["opkd_mcore", "opkd_mcore.*"]) + ["opkd_kernels"],
     package_dir={"opkd_kernels": "kernels"},
     # the demo's config is package data, so `opkd demo` runs from a plain (non-editable) install
-    package_data={"opkd_mcore.demo": ["demo_cpu.yaml"]},
+    package_data={"opkd_mcore.demo": ["demo_cpu.yaml", "self_distill_cpu.yaml"]},
     install_requires=["torch", "numpy", "pyyaml", "safetensors", "tqdm"],
     extras_require={
         "train": ["megatron-core==0.16.1", "transformers"],

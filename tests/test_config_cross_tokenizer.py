@@ -64,6 +64,9 @@ def test_another_tokenizer_is_accepted_with_cross_tokenizer(base, mode):
     (["loss.confidence_alpha=1.0"], "loss.confidence_alpha", "use 0"),
     (["controller.kind=ray"], "controller.kind", "torchrun"),
     (["loss.fused_lm_head=on"], "loss.fused_lm_head", "cross_tokenizer"),
+    (["teacher.teachers.0.backend=self", "teacher.teachers.0.model=", "loss.k=4"],
+     "teacher.teachers.0.backend", "the student's tokenizer"),
+    (["data.teacher_prompt_key=solution"], "data.teacher_prompt_key", "not wired"),
 ])
 def test_settings_a_cross_tokenizer_run_cannot_honour(base, overrides, key, fragment):
     _reject(base, overrides, key, fragment)

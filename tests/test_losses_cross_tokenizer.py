@@ -70,8 +70,7 @@ def student_logits(seed=5, dtype=torch.float64):
 
 def make_teacher(rows):
     index = sample_index(len(S_SEQ), S_PROMPT, T_SEQ, T_PROMPT, SPANS, EXACT)
-    cu = torch.tensor([0, len(T_SEQ)], dtype=torch.int32)
-    return CrossTokenizerTeacher(rows, index, torch.tensor(T_SEQ), cu)
+    return CrossTokenizerTeacher(rows, index, torch.tensor(T_SEQ))
 
 
 def next_tokens():
@@ -215,7 +214,7 @@ def test_exact_with_one_tokenizer_is_the_same_tokenizer_loss_bit_for_bit(impl):
     seq = torch.randint(0, vocab, (n,), generator=gen).tolist()
     spans = [((i,), (i,)) for i in range(n - 1)]
     index = sample_index(n, 1, seq, 1, spans, [True] * (n - 1))
-    teacher = CrossTokenizerTeacher(rows, index, torch.tensor(seq), torch.tensor([0, n], dtype=torch.int32))
+    teacher = CrossTokenizerTeacher(rows, index, torch.tensor(seq))
     for kd in (dict(divergence="forward_kl", mass="renorm"), dict(divergence="jsd", beta=0.2, mass="tail")):
         z_a, z_b = z.clone().requires_grad_(), z.clone().requires_grad_()
         same = kd_loss(z_a, TopKTeacher(ids, values.float()), support="teacher", impl=impl, **kd)

@@ -21,6 +21,7 @@ from opkd_mcore.models import weights
 from opkd_mcore.train import checkpoint as ckpt
 from opkd_mcore.train.checkpoint import TrainerState
 from opkd_mcore.train.metrics import MetricsLogger
+from opkd_mcore.train.samples_log import write_skipped
 from tests.test_train_checkpoint import FakeEngine, _tree, write_cli_config
 
 OVERWRITE_MESSAGE = ("run.overwrite: overwriting is asked for on the command line with --overwrite, never "
@@ -158,6 +159,17 @@ def test_fresh_run_refuses_any_earlier_run_output_and_modifies_nothing(tmp_path,
         assert artifact.split("/")[0] in msg and "--overwrite" in msg
         assert "--resume" not in msg  # no checkpoint to continue: --resume would be a dead end
     assert _tree(tmp_path) == before
+
+
+def test_a_rank_checking_the_directory_ignores_the_skipped_prompts_rank0_of_its_run_just_wrote(tmp_path):
+    """Rank 0 lists the skipped prompts while reading the data, before the ranks meet in
+    `init_distributed`; a slower rank still checking the directory must not refuse the run for it."""
+    path = write_skipped(str(tmp_path), [{"index": 0, "location": "d.jsonl:1", "prompt_tokens": 19}])
+    before = _tree(tmp_path)
+    for overwrite in (False, True):
+        assert ckpt.check_run_dir(_cfg(tmp_path), resume=False, overwrite=overwrite) is None
+        assert ckpt.prepare_run_dir(_cfg(tmp_path), resume=False, overwrite=overwrite) is None
+    assert _tree(tmp_path) == before and os.path.basename(path) == "skipped_prompts.jsonl"
 
 
 def test_cli_fresh_run_over_metrics_samples_and_export_exits_2_and_keeps_them(cli, capsys):

@@ -5,6 +5,7 @@ import dataclasses
 import ipaddress
 import math
 import re
+import string
 import urllib.parse
 from typing import NoReturn
 
@@ -37,6 +38,27 @@ def seed_in_range(path: str, value: int) -> None:
 def non_empty(path: str, value: str | None) -> None:
     if not value or not value.strip():
         raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
+
+
+def format_fields(template: str) -> list[str]:
+    """The field names of a `str.format` template over a record's fields, in order; ValueError saying
+    what is not a plain `{name}` field (positional `{}` / `{0}`, attribute or index access, nested
+    format specs) or that the braces do not parse."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:  # a lone "{" or "}"
+        raise ValueError(f"not a str.format template ({err}; write {{{{ and }}}} for literal braces)") \
+            from None
+    names = []
+    for _, name, spec, _ in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier():
+            raise ValueError(f"field {{{name}}}: expected a record field by name, like {{solution}}")
+        if spec and "{" in spec:
+            raise ValueError(f"field {{{name}:{spec}}}: nested fields in a format spec are not supported")
+        names.append(name)
+    return names
 
 
 def check_finite(value, path: str) -> None:

@@ -21,16 +21,23 @@ HIDDEN_STATE_KINDS = ("hidden", "in_step")
 
 
 def teacher_output(t: TeacherEndpoint) -> str:
-    """What teacher `t` hands the loss: "dense" logits or "topk" rows (`auto`: dense for megatron)."""
+    """What teacher `t` hands the loss: "dense" logits or "topk" rows (`auto`: dense for megatron and
+    self)."""
     if t.output != "auto":
         return t.output
-    return "dense" if t.backend == "megatron" else "topk"
+    return "dense" if t.backend in ("megatron", "self") else "topk"
+
+
+def runs_in_step(t: TeacherEndpoint) -> bool:
+    """Whether teacher `t` runs inside the student's step (`engine/teacher_in_step.py`): a megatron
+    teacher, and a self teacher with dense output (the student's own forward on the teacher's prompt)."""
+    return t.backend == "megatron" or (t.backend == "self" and teacher_output(t) == "dense")
 
 
 def teacher_kind(teachers: list[TeacherEndpoint]) -> str:
-    """The run's teacher kind (one of `TEACHER_KINDS`). Validation allows one kind per run (a megatron
+    """The run's teacher kind (one of `TEACHER_KINDS`). Validation allows one kind per run (an in-step
     teacher alone, no mix of dense and top-k), so the first teacher speaks for all."""
-    if any(t.backend == "megatron" for t in teachers):
+    if any(runs_in_step(t) for t in teachers):
         return "in_step"
     return teacher_output(teachers[0])
 

@@ -20,12 +20,14 @@ CROSS_TOKENIZER_MODES = ("off", "exact", "uld", "gold")  # loss.cross_tokenizer
 LOSS_IMPLS = ("auto", "reference", "fused", "triton", "cpp")
 FUSED_LM_HEAD_MODES = ("auto", "on", "off")
 LM_HEAD_ENGINES = ("auto", "tiles", "chunked", "rows")
-TEACHER_BACKENDS = ("vllm", "remote", "hf", "megatron")
-TEACHER_OUTPUTS = ("auto", "topk", "dense", "hidden")  # auto: dense for megatron, top-k for the others
+TEACHER_BACKENDS = ("vllm", "remote", "hf", "megatron", "self")
+# auto: dense for megatron and self, top-k for the others
+TEACHER_OUTPUTS = ("auto", "topk", "dense", "hidden")
 HIDDEN_BACKENDS = ("vllm", "remote")  # backends that can hand over final-norm hidden states
 TEACHER_SCORINGS = ("auto", "prompt_logprobs", "device")  # how a vllm / remote teacher computes top-k rows
-TOPK_BACKENDS = ("vllm", "remote", "hf")
-DENSE_BACKENDS = ("megatron", "hf")  # backends that can hand the loss full-vocabulary logits
+TOPK_BACKENDS = ("vllm", "remote", "hf", "self")
+DENSE_BACKENDS = ("megatron", "hf", "self")  # backends that can hand the loss full-vocabulary logits
+SELF_WEIGHTS = ("current", "initial", "ema")  # teacher.teachers.N.weights of a self teacher
 ROUTINGS = ("data_source",)
 SCHEDULES = ("sync", "one_step_off", "two_step_off", "async")
 OVERLAPPED_SCHEDULES = ("one_step_off", "two_step_off", "async")  # need controller.kind: ray
@@ -37,6 +39,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("addition",)
 CHAT_TEMPLATES = ("auto", "always", "none")
 OVERLONG_POLICIES = ("error", "skip")  # data.overlong
+MISSING_TEACHER_PROMPT_POLICIES = ("error", "skip")  # data.missing_teacher_prompt
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BUILTIN_REWARDS = ("exact_match",)  # data.rewards values besides "module:function"
 SEED_MAX = 2**31 - 1  # seeds reach numpy (32-bit) after Megatron and vLLM add rank/step offsets
@@ -173,10 +176,11 @@ class TeacherEndpoint:
     name: str = "teacher"
     """label used in metrics and routing"""
     backend: str = "vllm"
-    """vllm (in-process) | remote (OpenAI server) | hf (transformers): top-k; megatron: dense"""
+    """vllm (in-process) | remote (OpenAI server) | hf (transformers): top-k; megatron: dense; self: the
+    student itself (no model), usually with a prompt of its own (data.teacher_prompt_key / _template)"""
     model: str = ""
     """HF checkpoint directory (vllm, megatron, hf; remote: for output: hidden, or the teacher's tokenizer
-    with loss.cross_tokenizer)"""
+    with loss.cross_tokenizer); empty for self"""
     url: str | None = None
     """base URL of the OpenAI server (remote)"""
     top_k: int = 16
@@ -187,8 +191,9 @@ class TeacherEndpoint:
     """more servers of this teacher (remote), load-balanced: each chunk of sequences goes to the least-loaded
     reachable replica"""
     output: str = "auto"
-    """auto | topk | dense (megatron, hf) | hidden (vllm, remote: hidden states, the trainer applies the
-    teacher's output weight from `model`)"""
+    """auto | topk | dense (megatron, hf, self) | hidden (vllm, remote: hidden states, the trainer applies the
+    teacher's output weight from `model`). self: dense (auto) runs a no-grad forward of the student's chunks
+    in its step; topk has the rollout engine score with prompt logprobs (torchrun, weights: current)"""
     scoring: str = "auto"
     """how a vllm or remote teacher computes top-k rows: device (output weight, log-softmax and top-k on the
     engine's device, packed tensors back; a remote one needs `opkd teacher-serve --scoring device`) |
@@ -196,7 +201,13 @@ class TeacherEndpoint:
     (vllm: device unless the checkpoint's logits are more than its output weight's product; remote: device
     when the server offers it)"""
     offload: bool = False
-    """megatron: keep the teacher's weights in host memory between steps"""
+    """megatron, or self with weights initial | ema: the teacher's weights in host memory between steps"""
+    weights: str = "current"
+    """self: current (the student's weights now, no copy) | initial (a frozen copy of the starting weights:
+    what backend megatron with model = model.student builds) | ema (a float32 moving average of the
+    student's weights, sharded like it, updated after each optimizer step, kept in run checkpoints)"""
+    ema_decay: float = 0.999
+    """self, weights: ema: after each optimizer step ema = decay * ema + (1 - decay) * student; in (0, 1)"""
     dtype: str = "auto"
     """auto | float32 | bfloat16 | float16: the compute dtype of a vllm or hf teacher. auto: vLLM's choice
     for vllm (a float32 checkpoint runs in bfloat16: slow on CPUs without AVX-512 BF16, and not what a
@@ -321,6 +332,15 @@ class DataSection:
     found before any engine starts: error (each named by file:line and length) | skip (removed before
     sampling: prompt_index and the audit's dataset size count the kept prompts; the log says how many,
     <output_dir>/skipped_prompts.jsonl lists each by index as read, file location and length)"""
+    teacher_prompt_key: str | None = None
+    """column holding the teacher's own prompt (privileged context: a reference solution, feedback), a text or
+    chat messages; the teacher scores the student's response after it. None = the student's prompt"""
+    teacher_prompt_template: str | None = None
+    """the teacher's own prompt as a str.format template over the record's fields, e.g. "{prompt} (a correct
+    solution: {solution})" ({prompt}: the record's text prompt); exclusive with teacher_prompt_key"""
+    missing_teacher_prompt: str = "error"
+    """a record without its teacher prompt's field: error (each named by file:line and field) | skip (left out
+    before sampling, listed in <output_dir>/skipped_prompts.jsonl like data.overlong: skip)"""
     rewards: dict[str, str] = field(default_factory=dict)
     """data_source -> "exact_match" | "module:function" """
     task: str | None = "addition"

@@ -40,6 +40,14 @@ def check_cross_tokenizer(cfg: TrainConfig, tokenizers: dict) -> None:
         raise ConfigError(f"teacher.teachers: {why} against one teacher's tokenizer; got {len(teachers)} "
                           "teachers (use one, with replica_urls for more servers of it)")
     t = teachers[0]
+    if t.backend == "self":
+        raise ConfigError(f"teacher.teachers.0.backend: a self teacher is the student, with the student's "
+                          f"tokenizer; {why} of two tokenizers (use loss.cross_tokenizer: off)")
+    if cfg.data.teacher_prompt_key or cfg.data.teacher_prompt_template:
+        key = "teacher_prompt_key" if cfg.data.teacher_prompt_key else "teacher_prompt_template"
+        raise ConfigError(f"data.{key}: across tokenizers the teacher's prompt is the record's own prompt "
+                          "built with the teacher's tokenizer; teacher prompts of their own are not wired "
+                          "there (unset it, or use loss.cross_tokenizer: off)")
     if teacher_output(t) == "hidden":
         raise ConfigError("teacher.teachers.0.output: 'hidden' hands over the teacher's hidden states for "
                           f"the fused LM head; {why} (use output: topk)")

@@ -14,6 +14,7 @@ from opkd_mcore.config.checks import (
     check_finite,
     check_url,
     choice,
+    format_fields,
     in_range,
     non_empty,
     positive,
@@ -24,6 +25,7 @@ from opkd_mcore.config.loss_rules import (
     cross_tokenizer_mode,
     fused_lm_head_mode,
     lm_head_blocker,
+    runs_in_step,
     teacher_kind,
     teacher_output,
 )
@@ -54,11 +56,13 @@ from opkd_mcore.config.schema import (
     LOSS_FORMS,
     LOSS_IMPLS,
     MASSES,
+    MISSING_TEACHER_PROMPT_POLICIES,
     OVERLAPPED_SCHEDULES,
     OVERLONG_POLICIES,
     PLACEMENTS,
     ROUTINGS,
     SCHEDULES,
+    SELF_WEIGHTS,
     STALE_POLICIES,
     SUPPORTS,
     TASKS,
@@ -95,9 +99,14 @@ def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
     if t.output == "hidden" and t.backend not in HIDDEN_BACKENDS:
         raise ConfigError(f"{path}.output: 'hidden' (final-norm hidden states) is served by the "
                           f"{' and '.join(HIDDEN_BACKENDS)} backends; got backend {t.backend!r}")
-    if t.offload and t.backend != "megatron":
-        raise ConfigError(f"{path}.offload: only a megatron teacher's weights move to host memory "
-                          f"between steps; got backend {t.backend!r} (set offload: false)")
+    choice(f"{path}.weights", t.weights, SELF_WEIGHTS)
+    if t.weights != "current" and t.backend != "self":
+        raise ConfigError(f"{path}.weights: only a self teacher chooses its weights; got {t.weights!r} with "
+                          f"backend {t.backend!r} (leave weights: current)")
+    if t.offload and t.backend != "megatron" and not (t.backend == "self" and t.weights != "current"):
+        raise ConfigError(f"{path}.offload: only a megatron teacher's weights, or a self teacher's copy "
+                          f"(weights: initial | ema), move to host memory between steps; got backend "
+                          f"{t.backend!r}, weights {t.weights!r} (set offload: false)")
     choice(f"{path}.dtype", t.dtype, ("auto", *DTYPES))
     if t.dtype != "auto" and t.backend not in ("vllm", "hf"):
         raise ConfigError(f"{path}.dtype: set for the vllm and hf backends only (a megatron teacher "
@@ -118,8 +127,23 @@ def _check_endpoint(path: str, t: TeacherEndpoint) -> None:
         key = "url" if t.url is not None else "replica_urls"
         raise ConfigError(f"{path}.{key}: only a remote teacher is a server reached by URL; got "
                           f"backend {t.backend!r}")
-    if not t.model:
+    if t.backend == "self":
+        _check_self_endpoint(path, t)
+    elif not t.model:
         raise ConfigError(f"{path}.model: the {t.backend} teacher needs an HF checkpoint")
+
+
+def _check_self_endpoint(path: str, t: TeacherEndpoint) -> None:
+    """The student as its own teacher: no checkpoint of its own; the weights it scores with."""
+    if t.model:
+        raise ConfigError(f"{path}.model: a self teacher is the student (model.student), so it takes no "
+                          f"model; leave it empty, got {t.model!r}")
+    if t.weights == "ema" and not 0 < t.ema_decay < 1:
+        raise ConfigError(f"{path}.ema_decay: expected a value in (0, 1) for weights: ema, "
+                          f"got {t.ema_decay!r}")
+    if teacher_output(t) == "topk" and t.weights != "current":
+        raise ConfigError(f"{path}.weights: output: topk scores with the rollout engine, which holds the "
+                          f"current weights only; got {t.weights!r} (use output: dense for initial or ema)")
 
 
 def _check_teacher_model(cfg: TrainConfig, path: str, t: TeacherEndpoint, student_shape: dict | None,
@@ -162,7 +186,10 @@ def _check_teachers(cfg: TrainConfig, student_shape: dict | None, tokenizers: di
             raise ConfigError(f"{path}.name: {t.name!r} is already the name of "
                               f"teacher.teachers.{names[t.name]} (names must be unique)")
         names[t.name] = i
-        if t.backend != "remote":
+        if t.backend == "self":  # the student's checkpoint, checked as the student's
+            if teacher_output(t) == "topk" and student_shape is not None:
+                check_top_k(f"{path}.top_k", t.top_k, cfg.model.student, student_shape)
+        elif t.backend != "remote":
             _check_teacher_model(cfg, path, t, student_shape, tokenizers, check_files)
         defaults += not t.data_sources
         for src in t.data_sources:
@@ -180,21 +207,40 @@ def _check_teachers(cfg: TrainConfig, student_shape: dict | None, tokenizers: di
 
 
 def _check_in_step_teacher(cfg: TrainConfig) -> None:
-    """A megatron teacher runs inside the student's step, on every micro-batch: it is the run's only
-    teacher, it hands the loss its dense logits, and nothing needs its scores before the step."""
-    megatron = [i for i, t in enumerate(cfg.teacher.teachers) if t.backend == "megatron"]
-    if not megatron:
+    """A megatron teacher, or a self teacher with dense output, runs inside the student's step, on every
+    micro-batch: it is the run's only teacher, it hands the loss its dense logits, and nothing needs its
+    scores before the step. A self teacher with top-k output scores with the rollout engine of the
+    torchrun job, right after it generated, so the engine must hold the student's current weights."""
+    _check_self_topk(cfg)
+    in_step = [i for i, t in enumerate(cfg.teacher.teachers) if runs_in_step(t)]
+    if not in_step:
         return
-    path = f"teacher.teachers.{megatron[0]}"
+    path, t = f"teacher.teachers.{in_step[0]}", cfg.teacher.teachers[in_step[0]]
+    kind = "a megatron teacher" if t.backend == "megatron" else "a self teacher with dense output"
     if len(cfg.teacher.teachers) > 1:
-        raise ConfigError(f"{path}.backend: a megatron teacher scores every micro-batch inside the "
-                          "student's step, so it must be the run's only teacher (no routing)")
-    if cfg.teacher.teachers[0].output == "topk":
+        raise ConfigError(f"{path}.backend: {kind} scores every micro-batch inside the student's step, so "
+                          "it must be the run's only teacher (no routing; a self teacher with output: topk "
+                          "can be routed to)")
+    if t.output == "topk" and t.backend == "megatron":
         raise ConfigError(f"{path}.output: a megatron teacher hands the loss its dense TP-sharded logits; "
                           "for a top-k objective set loss.support: teacher and loss.k instead")
     if cfg.loss.confidence_alpha:
-        raise ConfigError("loss.confidence_alpha: teacher-confidence weights need the teacher's scores "
-                          "before the step; a megatron teacher scores inside it (use 0)")
+        raise ConfigError(f"loss.confidence_alpha: teacher-confidence weights need the teacher's scores "
+                          f"before the step; {kind} scores inside it (use 0)")
+
+
+def _check_self_topk(cfg: TrainConfig) -> None:
+    for i, t in enumerate(cfg.teacher.teachers):
+        if t.backend != "self" or teacher_output(t) != "topk":
+            continue
+        if cfg.controller.kind != "torchrun":
+            raise ConfigError(f"teacher.teachers.{i}.output: a self teacher with output: topk scores with "
+                              f"the rollout engine of the torchrun job; under controller.kind: "
+                              f"{cfg.controller.kind} use output: dense (the student's forward in its step)")
+        if cfg.weight_sync.every_steps != 1:
+            raise ConfigError(f"weight_sync.every_steps: a self teacher with output: topk scores with the "
+                              f"rollout engine, which holds the student of the last sync; expected 1 (the "
+                              f"current weights), got {cfg.weight_sync.every_steps}")
 
 
 def _check_loss(cfg: TrainConfig, student_shape: dict | None) -> None:
@@ -361,6 +407,7 @@ def _check_data(cfg: TrainConfig, check_files: bool) -> None:
         non_empty(f"data.{key}", getattr(data, key))
     choice("data.chat_template", data.chat_template, CHAT_TEMPLATES)
     choice("data.overlong", data.overlong, OVERLONG_POLICIES)
+    _check_teacher_prompts(data)
     for source, reward in data.rewards.items():
         if not source.strip():
             raise ConfigError(f"data.rewards: expected data_source names as keys, got {source!r}")
@@ -378,6 +425,27 @@ def _check_data(cfg: TrainConfig, check_files: bool) -> None:
             raise ConfigError(f"data.{key}: expected a .jsonl or .parquet file, got {value!r}")
         if check_files and not os.path.isfile(value):
             raise ConfigError(f"data.{key}: file {value!r} does not exist")
+
+
+def _check_teacher_prompts(data) -> None:
+    """The teacher's own prompt per record: from one field or one template, never both."""
+    choice("data.missing_teacher_prompt", data.missing_teacher_prompt, MISSING_TEACHER_PROMPT_POLICIES)
+    key, template = data.teacher_prompt_key, data.teacher_prompt_template
+    if key is not None and template is not None:
+        raise ConfigError("data.teacher_prompt_template: set either data.teacher_prompt_key (a field holding "
+                          "the teacher's prompt) or data.teacher_prompt_template (a template over the "
+                          "record's fields), not both")
+    if key is not None:
+        non_empty("data.teacher_prompt_key", key)
+    if template is None:
+        return
+    try:
+        fields = format_fields(template)
+    except ValueError as err:
+        raise ConfigError(f"data.teacher_prompt_template: {err}; got {template!r}") from None
+    if not fields:
+        raise ConfigError(f"data.teacher_prompt_template: names no record field (e.g. {{solution}}), so "
+                          f"every teacher prompt would be the same text; got {template!r}")
 
 
 def _check_run(cfg: TrainConfig) -> None:

@@ -31,6 +31,7 @@ class PromptJob:
     seed: int  # sampling seed of its n samples
     prompt_ids: list[int]
     data: dict  # routed per-prompt data (data_source, answer, teacher)
+    teacher_prompt_ids: list[int] | None = None  # the teacher's own prompt (None: the student's)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -74,9 +75,11 @@ class PromptQueue:
                 seeds: list[int] | None = None) -> list[PromptJob]:
         prompts = self._draw_fn(indices, batch)
         seeds = seeds or [prompts.seeds[p] for p in positions]
-        return [PromptJob(prompt_index=i, epoch=e, batch=batch, position=p, seed=s, prompt_ids=ids, data=d)
-                for i, e, p, s, ids, d in zip(indices, epochs, positions, seeds, prompts.prompt_ids,
-                                              prompts.data)]
+        teacher_ids = prompts.teacher_prompt_ids or [None] * len(indices)
+        return [PromptJob(prompt_index=i, epoch=e, batch=batch, position=p, seed=s, prompt_ids=ids, data=d,
+                          teacher_prompt_ids=t)
+                for i, e, p, s, ids, d, t in zip(indices, epochs, positions, seeds, prompts.prompt_ids,
+                                                 prompts.data, teacher_ids)]
 
     def draw(self) -> list[PromptJob]:
         """The next `batch_size` prompts from the sampler (all outstanding from now on)."""

@@ -106,6 +106,8 @@ class RolloutEngineWorker:
                 if segment_tokens is None:
                     samples = self.engine.generate([j.prompt_ids for j in jobs], sampling,
                                                    data=[j.data for j in jobs], seeds=[j.seed for j in jobs])
+                    for s in samples:
+                        s.teacher_prompt_ids = jobs[s.group_id].teacher_prompt_ids
                     per_job = [[s for s in samples if s.group_id == i] for i in range(len(jobs))]
                     return GenReply(per_job, [[None] * len(g) for g in per_job], time.perf_counter() - start)
                 per_job, versions = self._generate_in_segments(jobs, sampling, segment_tokens)
@@ -137,7 +139,7 @@ class RolloutEngineWorker:
             per_job[s["job"]].append(Sample(
                 prompt_ids=list(job.prompt_ids), response_ids=s["ids"], response_logprobs=s["lps"],
                 finish_reason=s["finish"], weight_version=min(s["vers"], default=self.engine.weight_version),
-                group_id=s["job"], data=dict(job.data)))
+                group_id=s["job"], data=dict(job.data), teacher_prompt_ids=job.teacher_prompt_ids))
             versions[s["job"]].append(_runs(s["vers"]))
         return per_job, versions
 

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from opkd_mcore.config.loss_rules import runs_in_step
 from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
 from opkd_mcore.platform.ray_resources import ray_accelerator_resource, ray_actor_resources
 
@@ -45,10 +46,11 @@ class Slot:
 
 def teacher_actor_endpoints(cfg: TrainConfig) -> list[tuple[TeacherEndpoint, str | None]]:
     """(endpoint, url) of every scoring-teacher actor: `controller.teacher_replicas` per in-process
-    teacher, one per URL of a remote one; none for a megatron teacher (it runs in the trainer)."""
+    teacher, one per URL of a remote one; none for an in-step teacher (megatron, or self with dense
+    output: it runs in the trainer)."""
     actors = []
     for t in cfg.teacher.teachers:
-        if t.backend == "megatron":
+        if runs_in_step(t):
             continue
         if t.backend == "remote":
             actors += [(t, url) for url in [t.url, *t.replica_urls]]

@@ -191,7 +191,7 @@ class RolloutFeed:
             if c.teacher == call.teacher:
                 load[c.replica] += 1
         call.replica = min(range(len(replicas)), key=lambda i: load[i])
-        sequences = [g.samples[k].sequence for g, k in call.members]
+        sequences = [g.samples[k].teacher_sequence for g, k in call.members]  # its prompt + the response
         call.rows, seconds = replicas[call.replica].score.options(num_returns=2).remote(sequences)
         self.teacher_in_flight[seconds] = call
         self.on_event("teacher_submitted", {"teacher": call.teacher, "replica": call.replica,

@@ -198,7 +198,7 @@ class TrainerWorker:
         fetched = dict(zip(call_ids, ray.get([batch.teacher_calls[c] for c in call_ids])))
         for i in needed:
             call, row = batch.rows[i]
-            rows[i] = fetched[call][row]
+            rows[i] = stages.paired_rows(fetched[call][row], batch.samples[i])
         fetch_s = time.perf_counter() - start
         scored = stages.ScoredBatch(samples=batch.samples, teacher=rows,
                                     task_advantages=batch.task_advantages)

@@ -159,7 +159,7 @@ def row_problems(row, keys: RowKeys) -> list[str]:
     if prompt is not None and not isinstance(prompt, str):
         out.append(f'field "{keys.prompt}": expected a string, got {describe(prompt)}')
     if messages is not None:
-        out += _message_problems(messages, keys.messages)
+        out += message_problems(messages, keys.messages)
     answer = row.get(keys.answer)
     if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int))):
         out.append(f'field "{keys.answer}": expected a string (or an integer), got {describe(answer)}')
@@ -169,7 +169,8 @@ def row_problems(row, keys: RowKeys) -> list[str]:
     return out
 
 
-def _message_problems(messages, name: str) -> list[str]:
+def message_problems(messages, name: str) -> list[str]:
+    """What is wrong with a chat-messages value of field `name`, one phrase per problem."""
     if not isinstance(messages, list) or not messages:
         return [f'field "{name}": expected a non-empty list of {{"role", "content"}} objects, '
                 f"got {describe(messages)}"]

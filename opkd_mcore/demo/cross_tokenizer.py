@@ -34,11 +34,6 @@ from opkd_mcore.data import ALPHABET, encode_prompt
 from opkd_mcore.data.token_alignment import TokenAligner
 from opkd_mcore.demo.evaluate import answer_ids
 
-# what this variant writes besides the main demo's artifacts: the char-level model the student is
-# cut from (its random init and its trained checkpoint)
-CROSS_ARTIFACTS = ("char_init", "char_hf", ".char_hf.tmp-*", ".char_hf.old-*", "char_sft.jsonl")
-OVERRIDES = ["loss.cross_tokenizer=gold"]
-
 
 def glued_operator_tokenizer(operators: str = "+="):
     """The teacher's tokenizer: each of `operators` is glued to the digit after it ("+4", "=2": as a

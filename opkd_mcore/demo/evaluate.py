@@ -59,9 +59,12 @@ def vllm_greedy_accuracy(rollout, tokenizer, records: list[dict], max_new_tokens
 
 
 @torch.no_grad()
-def hf_heldout_kl(teacher_dir: str, student_dir: str, records: list[dict]) -> float:
+def hf_heldout_kl(teacher_dir: str, student_dir: str, records: list[dict],
+                  teacher_prompt_key: str | None = None) -> float:
     """Mean per-token KL(teacher || student) over the answer (+EOS) positions of the held-out
-    prompt+answer sequences, full vocabulary, float64."""
+    prompt+answer sequences, full vocabulary, float64. With `teacher_prompt_key` the teacher reads
+    each record's answer after that field's prompt (its privileged context), the student after the
+    record's own prompt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(teacher_dir)
@@ -69,20 +72,25 @@ def hf_heldout_kl(teacher_dir: str, student_dir: str, records: list[dict]) -> fl
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float64).eval()
     total, count = 0.0, 0
     for r in records:
-        prompt = encode_prompt(tok, r["prompt"])
-        seq = torch.tensor([prompt + answer_ids(tok, r["answer"])])
-        rows = slice(len(prompt) - 1, seq.shape[1] - 1)  # positions predicting the answer tokens
-        log_p = torch.log_softmax(teacher(seq).logits[0, rows], -1)
-        log_q = torch.log_softmax(student(seq).logits[0, rows], -1)
+        answer = answer_ids(tok, r["answer"])
+        log_p = _answer_logprobs(teacher, encode_prompt(tok, r[teacher_prompt_key or "prompt"]), answer)
+        log_q = _answer_logprobs(student, encode_prompt(tok, r["prompt"]), answer)
         total += float((log_p.exp() * (log_p - log_q)).sum())
         count += log_p.shape[0]
     return total / max(count, 1)
 
 
-def write_eval_file(path: str, records: list[dict]) -> None:
+def _answer_logprobs(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """`[len(answer), V]` log-probabilities at the positions predicting the answer tokens."""
+    seq = torch.tensor([prompt + answer])
+    return torch.log_softmax(model(seq).logits[0, len(prompt) - 1:seq.shape[1] - 1], -1)
+
+
+def write_eval_file(path: str, records: list[dict], extra: tuple[str, ...] = ()) -> None:
+    """One `{"prompt", "answer"}` line per held-out record (and the fields `extra` names)."""
     with open(path, "w") as f:
         for r in records:
-            f.write(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n")
+            f.write(json.dumps({k: r[k] for k in ("prompt", "answer", *extra)}) + "\n")
 
 
 def results_table(summary: dict) -> str:
@@ -96,7 +104,8 @@ def results_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_curves(metrics: list[dict], out_png: str) -> str | None:
+def plot_curves(metrics: list[dict], out_png: str,
+                kl_title: str = "KL to teacher (on-policy, top-k)") -> str | None:
     """Loss, KL to the teacher and accuracy per step, one panel each; None without matplotlib."""
     try:
         import matplotlib
@@ -105,7 +114,7 @@ def plot_curves(metrics: list[dict], out_png: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    panels = [("train/loss", "distillation loss"), ("kd/per_token_loss", "KL to teacher (on-policy, top-k)"),
+    panels = [("train/loss", "distillation loss"), ("kd/per_token_loss", kl_title),
               ("eval/accuracy", "held-out exact match (greedy)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
     for ax, (key, title) in zip(axes, panels):

@@ -1,4 +1,4 @@
-"""`opkd demo [--quick] [--variant V] [--out DIR] [--overwrite]`: on-policy distillation end to end on a CPU.
+"""`opkd demo [--variant V] [--quick] [--out DIR] [--overwrite]`: on-policy distillation end to end on a CPU.
 
 Nothing is downloaded.
 
@@ -15,46 +15,41 @@ On an accelerator (`--device`, or auto-detected) the teacher runs inside the stu
 (`backend: megatron`) with the same top-k objective from its dense logits: for a model this small a
 second vLLM engine's start-up and its per-step scoring call are most of the wall time there.
 
-`--variant cross_tokenizer`: the teacher has another tokenizer (`demo/cross_tokenizer.py`).
+`--variant` picks one of `VARIANTS`: `distill` (the above, the default), `self_distill` (no teacher
+model: the student taught by itself with the answer in its prompt, `demo/self_distill.py`) or
+`cross_tokenizer` (the teacher has another tokenizer, `demo/cross_tokenizer.py`). What they share
+(output directory, supervised stage, pruning, distillation with evaluation, summary) is
+`demo/common.py`.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from opkd_mcore.config import ConfigError, TrainConfig, load_config
-from opkd_mcore.config.schema import OptimSection
-from opkd_mcore.data import ALPHABET, AdditionTask, encode_prompt
-from opkd_mcore.demo.cross_tokenizer import CROSS_ARTIFACTS, glued_operator_tokenizer, heldout_kl_across
-from opkd_mcore.demo.evaluate import (
-    answer_ids,
-    hf_greedy_accuracy,
-    hf_heldout_kl,
-    plot_curves,
-    results_table,
-    vllm_greedy_accuracy,
-    write_eval_file,
+from opkd_mcore.config import ConfigError, load_config
+from opkd_mcore.data import ALPHABET, AdditionTask
+from opkd_mcore.demo.common import (
+    distill,
+    prepare_demo_dir,
+    prune_mlp,
+    sft_pairs,
+    supervised,
+    timing_means,
+    write_summary,
 )
-from opkd_mcore.demo.sft import SftConfig, run_sft
-from opkd_mcore.launch import train
-from opkd_mcore.models import save_hf_checkpoint
+from opkd_mcore.demo.cross_tokenizer import glued_operator_tokenizer, heldout_kl_across
+from opkd_mcore.demo.evaluate import hf_greedy_accuracy, hf_heldout_kl, results_table, write_eval_file
+from opkd_mcore.demo.self_distill import SelfDistillDemo, quick_self_distill, run_self_distill_demo
+from opkd_mcore.demo.sft import SftConfig
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from opkd_mcore.platform.device import DEVICE_TYPES, is_cpu
-from opkd_mcore.platform.parallel import destroy_parallel
-from opkd_mcore.train.checkpoint import RUN_ARTIFACTS, find_artifacts, remove_artifacts
-from opkd_mcore.train.components import build_student, init_distributed
 
 logger = logging.getLogger(__name__)
-
-# What the demo writes into --out besides the distillation run's own output (`RUN_ARTIFACTS`):
-# a directory holding any of them is refused, and --overwrite removes exactly these and those.
-DEMO_ARTIFACTS = ("teacher_init", "teacher_hf", ".teacher_hf.tmp-*", ".teacher_hf.old-*", "student_init",
-                  "eval.jsonl", "teacher_sft.jsonl", "summary.json", "distill.png")
 
 
 def demo_config_path() -> str:
@@ -84,11 +79,13 @@ class DemoConfig:
 
 
 def quick_demo() -> DemoConfig:
-    return DemoConfig(digits=1, num_eval=20, teacher_lr=5e-3, student_mlp=32, in_step_teacher_on_accelerator=False,
+    return DemoConfig(digits=1, num_eval=20, teacher_lr=5e-3, student_mlp=32,
+                      in_step_teacher_on_accelerator=False,
                       sft=SftConfig(steps=150, batch_size=64, micro_batch_size=64),
                       eval_every=5, overrides=["run.steps=40", "rollout.prompts_per_step=16",
-                                               "parallel.global_batch_size=32", "parallel.micro_batch_size=32",
-                                               "data.num_train=80", "teacher.teachers.0.backend=hf"])
+                                               "parallel.global_batch_size=32",
+                                               "parallel.micro_batch_size=32", "data.num_train=80",
+                                               "teacher.teachers.0.backend=hf"])
 
 
 def accelerator_overrides(top_k: int) -> list[str]:
@@ -98,17 +95,14 @@ def accelerator_overrides(top_k: int) -> list[str]:
     return ["teacher.teachers.0.backend=megatron", "teacher.teachers.0.dtype=auto", f"loss.k={top_k}"]
 
 
-VARIANTS = ("default", "cross_tokenizer")
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="opkd demo", description=__doc__.splitlines()[0])
+    p.add_argument("--variant", default="distill", choices=list(VARIANTS),
+                   help=" | ".join(f"{name}: {v.description}" for name, v in VARIANTS.items()))
     p.add_argument("--quick", action="store_true", help="small and short (CI): 1-digit addition")
     p.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier demo's output in --out (only the files a demo writes)")
-    p.add_argument("--variant", default="default", choices=VARIANTS,
-                   help="cross_tokenizer: the teacher has another tokenizer (loss.cross_tokenizer: gold)")
     p.add_argument("--device", default=None, choices=DEVICE_TYPES,
                    help="where the teacher SFT, the student and the vLLM engines run (default: auto-detect)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the distillation config")
@@ -127,77 +121,8 @@ def train_teacher(demo: DemoConfig, init_dir: str, out_dir: str, train: list[dic
     """Supervised teacher with the Megatron engine, exported to `out_dir` as an HF checkpoint."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(init_dir)
-    pairs = [(encode_prompt(tok, r["prompt"]), answer_ids(tok, r["answer"])) for r in train]
-    init_distributed(TrainConfig())
-    try:
-        optim = OptimSection(lr=demo.teacher_lr, warmup_steps=min(50, demo.sft.steps // 4), clip_grad=1.0,
-                            lr_decay_style="cosine", lr_decay_steps=demo.sft.steps,
-                            min_lr=demo.teacher_lr / 10)
-        engine, chunks = build_student(init_dir, optim)
-        with open(log_path, "w") as f:
-            run_sft(engine, pairs, demo.sft, on_step=lambda step, m: f.write(
-                json.dumps({"step": step, "sft/loss": m["train/loss"]}) + "\n"))
-        save_hf_checkpoint(chunks, out_dir, src_hf_dir=init_dir, progress=False)
-    finally:
-        destroy_parallel()
-
-
-def prune_mlp(teacher_dir: str, out_dir: str, neurons: int) -> str:
-    """An HF checkpoint of the teacher with every MLP cut to its first `neurons` neurons."""
-    import copy
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
-    if not 0 < neurons <= teacher.config.intermediate_size:
-        raise ValueError(f"student_mlp: expected 1..{teacher.config.intermediate_size}, got {neurons}")
-    config = copy.deepcopy(teacher.config)
-    config.intermediate_size = neurons
-    student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {}
-    for name, value in teacher.state_dict().items():
-        if name.endswith(("gate_proj.weight", "up_proj.weight")):
-            value = value[:neurons]
-        elif name.endswith("down_proj.weight"):
-            value = value[:, :neurons]
-        state[name] = value.contiguous()
-    student.load_state_dict(state, strict=True)
-    student.save_pretrained(out_dir, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if os.path.exists(os.path.join(teacher_dir, name)):
-            shutil.copy2(os.path.join(teacher_dir, name), os.path.join(out_dir, name))
-    return out_dir
-
-
-def distill(cfg, held_out: list[dict], demo: DemoConfig) -> list[dict]:
-    """`opkd train` on the demo config, with greedy held-out accuracy every `eval_every` steps."""
-    answer_len = len(held_out[0]["answer"]) + 1
-
-    def evaluate(run, step):
-        last = step + 1 == cfg.run.steps
-        if step % demo.eval_every and not last:
-            return {}
-        return {"eval/accuracy": vllm_greedy_accuracy(run.rollout, run.tokenizer, held_out, answer_len)}
-
-    return train(cfg, step_hook=evaluate)
-
-
-def prepare_demo_dir(out: str, overwrite: bool, extra: tuple[str, ...] = ()) -> None:
-    """Refuse an `out` holding an earlier demo's or run's output, or with `overwrite` remove exactly
-    that output (and a variant's `extra` artifacts); before anything is built."""
-    patterns = DEMO_ARTIFACTS + RUN_ARTIFACTS + extra
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"--out: {out} is an existing file; expected a directory")
-    found = find_artifacts(out, patterns)
-    if found and not overwrite:
-        raise ConfigError(f"--out: {out} holds an earlier demo's or run's output ({', '.join(found)}); "
-                          "replace it with --overwrite (nothing else in the directory is touched), or "
-                          "choose another --out")
-    if overwrite:
-        remove_artifacts(out, patterns)
+    pairs = sft_pairs(AutoTokenizer.from_pretrained(init_dir), train)
+    supervised(init_dir, out_dir, pairs, demo.sft, demo.teacher_lr, log_path, "teacher SFT")
 
 
 def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = None, *,
@@ -248,7 +173,7 @@ def run_cross_tokenizer_demo(demo: DemoConfig, out: str, extra_overrides: list[s
     glues to the next digit), the distillation across them."""
     start = time.perf_counter()
     out = os.path.abspath(out)
-    prepare_demo_dir(out, overwrite, extra=CROSS_ARTIFACTS)
+    prepare_demo_dir(out, overwrite)
     paths = {name: os.path.join(out, name) for name in ("teacher_init", "teacher_hf", "char_init", "char_hf",
                                                         "student_init", "student_hf")}
     overrides = [f"model.student={paths['student_init']}", f"teacher.teachers.0.model={paths['teacher_hf']}",
@@ -282,7 +207,7 @@ def _evaluate_and_distill(cfg, demo: DemoConfig, paths: dict, held_out: list[dic
     before_acc, _ = hf_greedy_accuracy(paths["student_init"], held_out, max_new)
     kl_before = kl(paths["teacher_hf"], paths["student_init"], held_out)
     t_distill = time.perf_counter()
-    history = distill(cfg, held_out, demo)
+    history = distill(cfg, held_out, demo.eval_every)
     t_distill = time.perf_counter() - t_distill
     after_acc, _ = hf_greedy_accuracy(paths["student_hf"], held_out, max_new)
     kl_after = kl(paths["teacher_hf"], paths["student_hf"], held_out)
@@ -291,22 +216,46 @@ def _evaluate_and_distill(cfg, demo: DemoConfig, paths: dict, held_out: list[dic
         "student_accuracy_after": after_acc, "kl_before": kl_before, "kl_after": kl_after,
         "seconds": time.perf_counter() - start, "seconds_teacher_sft": t_sft, "seconds_distill": t_distill,
         "distill_steps": len(history), "task": f"{demo.digits}-digit addition",
-        "num_eval": len(held_out), "timing_means": _timing_means(history), **(extra or {}),
+        "num_eval": len(held_out), "timing_means": timing_means(history), **(extra or {}),
     }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    plot_curves(history, os.path.join(out, "distill.png"))
+    write_summary(out, summary, history)
     print(results_table(summary))
     print(f"seconds: {summary['seconds']:.0f}  (teacher SFT {t_sft:.0f}, distillation {t_distill:.0f})")
     print(f"wrote {out}/summary.json, metrics.jsonl, distill.png, eval.jsonl, teacher_hf/, student_hf/")
     return summary
 
 
-def _timing_means(history: list[dict]) -> dict:
-    """Mean seconds per stage over the steps after the first (which includes warm-up)."""
-    rows = history[1:] or history
-    keys = sorted(k for k in rows[0] if k.startswith("timing/")) if rows else []
-    return {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+@dataclass(frozen=True)
+class Variant:
+    """One `--variant` of the demo: what it shows, and how it runs (quick, out, overrides, overwrite)."""
+
+    description: str
+    run: Callable[[bool, str, list[str], bool], dict]
+
+
+def _distill_demo(quick: bool, out: str, overrides: list[str], overwrite: bool) -> dict:
+    return run_demo(quick_demo() if quick else DemoConfig(), out, overrides, overwrite=overwrite)
+
+
+def _self_distill_demo(quick: bool, out: str, overrides: list[str], overwrite: bool) -> dict:
+    demo = quick_self_distill() if quick else SelfDistillDemo()
+    return run_self_distill_demo(demo, out, overrides, overwrite=overwrite)
+
+
+def _cross_tokenizer_demo(quick: bool, out: str, overrides: list[str], overwrite: bool) -> dict:
+    # --quick: 80 one-digit problems are too few for a teacher to learn ten "+d" tokens (it
+    # memorises them, 0% held-out); "=" alone is glued, which no prompt has before a digit
+    return run_cross_tokenizer_demo(cross_tokenizer_demo(quick), out, overrides, overwrite=overwrite,
+                                    glued="=" if quick else "+=")
+
+
+VARIANTS = {
+    "distill": Variant("a small student from a trained teacher (default)", _distill_demo),
+    "self_distill": Variant("one model learns from itself with the answer in its prompt (privileged "
+                            "context, teacher backend self)", _self_distill_demo),
+    "cross_tokenizer": Variant("the teacher has another tokenizer (loss.cross_tokenizer: gold)",
+                               _cross_tokenizer_demo),
+}
 
 
 def main(argv=None) -> int:
@@ -314,17 +263,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides)
     if args.device:
-        os.environ["OPKD_DEVICE"] = args.device  # the teacher SFT and every engine follow it
+        os.environ["OPKD_DEVICE"] = args.device  # the supervised stage and every engine follow it
         overrides.insert(0, f"run.device={args.device}")
     try:
-        if args.variant == "cross_tokenizer":
-            # --quick: 80 one-digit problems are too few for a teacher to learn ten "+d" tokens (it
-            # memorises them, 0% held-out); "=" alone is glued, which no prompt has before a digit
-            run_cross_tokenizer_demo(cross_tokenizer_demo(args.quick), args.out, overrides,
-                                     overwrite=args.overwrite, glued="=" if args.quick else "+=")
-        else:
-            demo = quick_demo() if args.quick else DemoConfig()
-            run_demo(demo, args.out, overrides, overwrite=args.overwrite)
+        VARIANTS[args.variant].run(args.quick, args.out, overrides, args.overwrite)
     except ConfigError as err:  # the message names the option or key; a traceback adds nothing
         print(f"opkd demo: error: {err}", file=sys.stderr)
         return 2

@@ -49,14 +49,14 @@ def sft_batches(pairs: list[tuple[list[int], list[int]]], cfg: SftConfig, step: 
 
 
 def run_sft(engine, pairs: list[tuple[list[int], list[int]]], cfg: SftConfig, *, progress: bool = True,
-            on_step=None) -> list[dict]:
+            on_step=None, desc: str = "teacher SFT") -> list[dict]:
     """Train `engine` on `pairs`; returns per-step metrics. `on_step(step, metrics)` is called each step."""
     from tqdm import tqdm
 
     if not pairs:
         raise ValueError("pairs: expected at least one (prompt ids, answer ids) pair")
     history = []
-    bar = tqdm(range(cfg.steps), desc="teacher SFT", unit="step", disable=not progress)
+    bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=not progress)
     for step in bar:
         batches = sft_batches(pairs, cfg, step)
         tokens = sum(b.num_loss_tokens for b in batches)

@@ -27,6 +27,7 @@ with bf16 the optimizer keeps fp32 main params.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from typing import Callable, Iterable, Sequence
@@ -42,13 +43,8 @@ from opkd_mcore.engine.lm_head import LmHeadInput, gpt_model, hidden_output, hid
 from opkd_mcore.engine.moe_stats import MoeStepStats
 from opkd_mcore.engine.optim import build_optimizer, clip_and_step, ddp_config
 from opkd_mcore.engine.packing import PackedBatch, pad_for_pipeline
-from opkd_mcore.engine.teacher_in_step import (
-    PairedChunk,
-    paired_chunks,
-    teacher_packing,
-    unpair,
-    with_teacher_logits,
-)
+from opkd_mcore.engine.response_pairing import gather_rows
+from opkd_mcore.engine.teacher_in_step import PairedChunk, paired_chunks, unpair
 from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher
 from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, MalformedTeacherOutputError
 from opkd_mcore.models.builder import layout_of
@@ -163,9 +159,15 @@ class MegatronEngine:
 
     def _run_model(self, model, batch: PackedBatch, hidden: bool = False) -> torch.Tensor:
         """Logits of the last stage, or with `hidden` its final-norm hidden states (fused LM head)."""
+        extra = {}
+        if batch.teacher_tokens is not None:  # an in-step teacher on its own packing
+            t = batch.teacher_tokens
+            extra["teacher_input"] = (t.tokens.unsqueeze(0), t.position_ids.unsqueeze(0),
+                                      t.packed_seq_params())
+
         def run():
             return model(batch.tokens.unsqueeze(0), batch.position_ids.unsqueeze(0), attention_mask=None,
-                         packed_seq_params=batch.packed_seq_params())
+                         packed_seq_params=batch.packed_seq_params(), **extra)
         if not hidden:
             return run()
 
@@ -193,11 +195,24 @@ class MegatronEngine:
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group(), trainable=False)
         return HiddenTeacher(rows.detach().to(dtype), output_weight(gpt).detach().to(dtype), self.teacher.vocab_size)
 
-    def _teacher_input(self, packing: PackedBatch, length: int):
-        """(tokens [1, M], position_ids [1, M], packed_seq_params) of the teacher's own packing, on
-        the device, padded to the pipeline's `length` like the student's input."""
-        packing = (pad_for_pipeline(packing, length) if self.pipelined else packing).to(self.device)
-        return packing.tokens.unsqueeze(0), packing.position_ids.unsqueeze(0), packing.packed_seq_params()
+    def _own_packing_teacher(self, model, hidden_SBH: torch.Tensor, batch: PackedBatch, dtype: torch.dtype,
+                             fused_head: bool):
+        """What the loss reads of an in-step teacher that ran on its own packing (`batch.teacher_tokens`,
+        engine/teacher_in_step.py): its final-norm hidden rows `[M, H]`, paired with the student's rows
+        by response position (`batch.teacher_index`: `[T, H]` gathered, never `[T, V]`) or, across
+        tokenizers, kept in the teacher's layout for the span loss; then its output layer on those rows
+        only (with the fused LM head, the rows and the output weight as they are)."""
+        cross = isinstance(batch.teacher, CrossTokenizerTeacher)  # rows filled in here, paired by span
+        weight_dtype = output_weight(model.teacher[0]).dtype
+        hidden = self._teacher_hidden(model, hidden_SBH, batch.teacher_tokens.num_tokens,
+                                      dtype if fused_head and not cross else weight_dtype)
+        if batch.teacher_index is not None:
+            hidden = gather_rows(hidden, batch.teacher_index)
+        if fused_head and not cross:
+            return hidden
+        logits = torch.matmul(hidden.hidden, hidden.weight.t())  # the output layer's GEMM, on these rows
+        rows = DenseTeacher(self._mask_padding(logits, self.teacher.vocab_size))
+        return dataclasses.replace(batch.teacher, rows=rows) if cross else rows
 
     def _forward_step_func(self, loss_fn: LossFn | None, fused_head: bool = False):
         """Megatron's forward_step_func: returns (output, loss closure) for one micro-batch; with
@@ -205,19 +220,14 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             batch, model_input = next(data_iterator)
-            own = teacher_packing(batch) if isinstance(model, PairedChunk) else None
-            if isinstance(model, PairedChunk):  # a teacher with another tokenizer reads its own tokens
-                model.teacher_input = None if own is None else self._teacher_input(own,
-                                                                                   model_input.num_tokens)
             batch, model_input = batch.to(self.device), model_input.to(self.device)
             output = self._run_model(model, model_input, hidden=fused_head)
             if isinstance(output, tuple):  # last stage of a step with the teacher in it
                 output, teacher_out = output
                 batch = copy.copy(batch)  # the engine's own copy: the caller's batch is not changed
-                if own is not None:
-                    rows = self._mask_padding(self._rows(teacher_out, batch.teacher.tokens.numel()),
-                                              self.teacher.vocab_size)
-                    batch.teacher = with_teacher_logits(batch.teacher, rows)
+                if batch.teacher_tokens is not None:  # it ran on its own packing
+                    batch.teacher = self._own_packing_teacher(model, teacher_out, batch, output.dtype,
+                                                              fused_head)
                 elif fused_head:
                     batch.teacher = self._teacher_hidden(model, teacher_out, batch.num_tokens, output.dtype)
                 else:
@@ -261,8 +271,12 @@ class MegatronEngine:
         if len(self.model) > 1 and len(micro_batches) < pp:
             raise ValueError(f"micro_batches: the interleaved pipeline ({len(self.model)} chunks per stage) "
                              f"needs at least pp={pp} micro-batches, got {len(micro_batches)}")
-        # a teacher with its own tokens (cross-tokenizer) shares the pipeline's one activation shape
-        seq_length = max(max(mb.num_tokens, _teacher_tokens(mb)) for mb in micro_batches)
+        if not with_teacher and any(mb.teacher_tokens is not None for mb in micro_batches):
+            raise ValueError("micro_batches: they carry an in-step teacher's own packing (teacher_tokens), "
+                             "but this engine has no teacher in its step")
+        # a teacher on its own packing shares the pipeline's one activation shape
+        seq_length = max(max(mb.num_tokens, 0 if mb.teacher_tokens is None else mb.teacher_tokens.num_tokens)
+                         for mb in micro_batches)
         inputs = [pad_for_pipeline(mb, seq_length) if self.pipelined else mb for mb in micro_batches]
         # one iterator per VPP chunk: every chunk reads the same micro-batches in the same order
         iterators = [iter(list(zip(micro_batches, inputs))) for _ in self.model]
@@ -324,6 +338,8 @@ class MegatronEngine:
         if applied:
             self.scheduler.step(increment=1)
             self.num_steps += 1
+            if self.teacher is not None:  # a teacher that follows the student (EMA) takes the new weights
+                self.teacher.after_update(self.model)
         elif not finite_loss or not math.isfinite(grad_norm):
             self.num_skipped_steps += 1
             logger.warning("step skipped: loss %s, gradient norm %s (not finite); no update applied",
@@ -385,11 +401,6 @@ class MegatronEngine:
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         for chunk in self.model:
             yield from chunk.parameters()
-
-
-def _teacher_tokens(batch: PackedBatch) -> int:
-    """Tokens of the teacher's own packing of `batch` (0 when it reads the student's)."""
-    return int(batch.teacher.tokens.numel()) if isinstance(batch.teacher, CrossTokenizerTeacher) else 0
 
 
 def _vocab_sizes(model_chunks, mask_vocab_padding: bool) -> tuple[int | None, int | None]:

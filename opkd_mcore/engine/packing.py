@@ -33,6 +33,12 @@ class PackedBatch:
     sampler_logprobs: torch.Tensor | None = None  # [T] logprob of token t+1 under the rollout sampler
     sequence_weights: torch.Tensor | None = None  # [B] per-sequence weights (e.g. teacher confidence)
     task_advantages: torch.Tensor | None = None  # [T] task-reward advantage of the sequence, on its response rows
+    # an in-step teacher on tokens of its own (teacher prompts, another tokenizer): its packing of the
+    # samples' teacher-side sequences, in the same order (engine/teacher_in_step.py), and, with teacher
+    # prompts, per row here the row of that packing paired with it (`engine/response_pairing.py`, -1:
+    # none; across tokenizers the span index of `teacher` pairs them instead)
+    teacher_tokens: PackedBatch | None = None
+    teacher_index: torch.Tensor | None = None  # [T] int64
     meta: dict = field(default_factory=dict)  # free-form bookkeeping (never read by the engine)
     # longest sequence, read once at construction: Megatron wants a host int per micro-batch, and
     # reading it from device tensors there would stall the pipeline
@@ -83,6 +89,14 @@ class PackedBatch:
             rows = _teacher_rows(self.teacher)
             if rows != n:
                 raise ValueError(f"teacher: expected {n} rows (one per token), got {rows}")
+        if self.teacher_index is not None:
+            if self.teacher_tokens is None or tuple(self.teacher_index.shape) != (n,):
+                raise ValueError(f"teacher_index: expected shape ({n},) with teacher_tokens set, got "
+                                 f"{tuple(self.teacher_index.shape)} with teacher_tokens "
+                                 f"{'set' if self.teacher_tokens is not None else 'None'}")
+            if int(self.teacher_index.max()) >= self.teacher_tokens.num_tokens:
+                raise ValueError(f"teacher_index: rows up to {int(self.teacher_index.max())}, but "
+                                 f"teacher_tokens holds {self.teacher_tokens.num_tokens}")
         if self.sequence_weights is not None and tuple(self.sequence_weights.shape) != (self.num_sequences,):
             raise ValueError(f"sequence_weights: expected shape ({self.num_sequences},), "
                              f"got {tuple(self.sequence_weights.shape)}")
@@ -99,6 +113,8 @@ class PackedBatch:
         def move(x):
             if isinstance(x, torch.Tensor):
                 return x.to(device, non_blocking=True)
+            if isinstance(x, PackedBatch):
+                return x.to(device)
             if isinstance(x, (DenseTeacher, TopKTeacher, HiddenTeacher, CrossTokenizerTeacher, SpanIndex)):
                 return dataclasses.replace(x, **{f.name: move(getattr(x, f.name))
                                                  for f in dataclasses.fields(x)})
@@ -170,24 +186,33 @@ def pack_sequences(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[
                        task_advantages=advantages)
 
 
+def pack_model_input(sequences: Sequence[Sequence[int]]) -> PackedBatch:
+    """Token sequences packed as a model reads them (tokens, positions, cu_seqlens), with no loss rows:
+    an in-step teacher's own packing (`PackedBatch.teacher_tokens`), whose rows a pairing selects."""
+    return pack_sequences(sequences, [len(s) for s in sequences])
+
+
 def pad_for_pipeline(batch: PackedBatch, length: int) -> PackedBatch:
     """Model input of `batch` padded to `length` tokens for a fixed-shape pipeline.
 
     The padding is one extra packed sequence (token 0, positions from 0, no loss), so attention
-    never mixes it with real tokens; only the tensors the model reads are kept.
+    never mixes it with real tokens; only the tensors the model reads are kept (an in-step teacher's
+    own packing, padded to the same length: both travel through the pipeline in one tensor).
     """
     pad = length - batch.num_tokens
     if pad < 0:
         raise ValueError(f"length: expected >= the batch's {batch.num_tokens} tokens, got {length}")
+    teacher = None if batch.teacher_tokens is None else pad_for_pipeline(batch.teacher_tokens, length)
     if pad == 0:
         return PackedBatch(tokens=batch.tokens, position_ids=batch.position_ids,
-                           cu_seqlens=batch.cu_seqlens, loss_mask=batch.loss_mask)
+                           cu_seqlens=batch.cu_seqlens, loss_mask=batch.loss_mask, teacher_tokens=teacher)
     device = batch.tokens.device
     return PackedBatch(
         tokens=torch.cat([batch.tokens, torch.zeros(pad, dtype=torch.int64, device=device)]),
         position_ids=torch.cat([batch.position_ids, torch.arange(pad, dtype=torch.int64, device=device)]),
         cu_seqlens=torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_full((1,), length)]),
         loss_mask=torch.cat([batch.loss_mask, torch.zeros(pad, dtype=batch.loss_mask.dtype, device=device)]),
+        teacher_tokens=teacher,
     )
 
 

@@ -15,22 +15,39 @@ The teacher's TP-sharded logits therefore appear on the rank that computes the s
 the same vocabulary shard, one micro-batch at a time (as many as the pipeline has in flight), and
 nothing dense crosses ranks or processes.
 
-A teacher with another tokenizer (`loss.cross_tokenizer`) runs on its own tokens: the micro-batch's
-`CrossTokenizerTeacher` carries the teacher-side sequences, packed like the student's; every stage
-runs the teacher chunk on that packing (`teacher_packing`), both padded to one length under a
-pipeline so the two hidden states still travel as one tensor, and the last stage's teacher logits
-(over the teacher's own vocabulary, sharded like the student's) become the rows the loss aligns.
+A teacher on its own tokens. Two features give the teacher other tokens than the student's:
+teacher prompts (privileged context, `data/teacher_prompts.py`; a self teacher, `engine/self_teacher.py`:
+teacher prompt + the same response) and another tokenizer (`loss.cross_tokenizer`: the teacher's
+prompt + the response re-tokenized). Both use one mechanism:
+
+* the micro-batch carries the teacher's packing in one field, `PackedBatch.teacher_tokens` (tokens,
+  positions, cu_seqlens of the teacher-side sequences, in the student's order), built by the stages;
+* `pad_for_pipeline` pads it with the student's input to the step's one length, so the two hidden
+  states still travel as one p2p tensor (the only place either is padded);
+* the engine hands it to `PairedChunk.forward` as `teacher_input` (a keyword per call, no state on
+  the module), which runs the teacher chunk on it; the last stage then returns the teacher's
+  final-norm hidden states `[M, H]`, not logits;
+* the engine pairs those rows with the student's before the output layer: by response position
+  (`PackedBatch.teacher_index`, `engine/response_pairing.py`: `[T, H]` rows are gathered, never
+  `[T, V]` logits), or, across tokenizers, not at all: the span loss reads the teacher's rows in the
+  teacher's own layout (`CrossTokenizerTeacher.index`), so all M rows go through the output layer,
+  over the teacher's own vocabulary (`InStepTeacher.own_vocabulary`).
+
+Each choice is the simpler of two that work: one packing field on the micro-batch rather than the
+teacher-side tokens inside the cross-tokenizer rows (both features need it, and the padding then
+happens in one function); a keyword rather than an attribute set on the chunk before each call
+(nothing to reset between micro-batches); hidden states then the output layer's GEMM rather than the
+model's own logits (the gather before the output layer is what keeps teacher prompts at `[T, H]`,
+and the cross-tokenizer case is the same path without the gather).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-import dataclasses
 
 import torch
 
-from opkd_mcore.engine.packing import PackedBatch
-from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher
-from opkd_mcore.losses.teacher_outputs import DenseTeacher
+from opkd_mcore.engine.lm_head import hidden_output
 
 
 class InStepTeacher:
@@ -41,6 +58,8 @@ class InStepTeacher:
     `own_vocabulary`: the teacher's ids are its own tokenizer's (`loss.cross_tokenizer`):
     `vocab_size` is then the teacher's vocabulary, kept whatever the student's.
     """
+
+    stateful = False  # whether run checkpoints keep its weights (`save_state` / `load_state`)
 
     def __init__(self, teacher, *, vocab_size: int, own_vocabulary: bool = False):
         self.teacher = teacher  # opkd_mcore.teacher.megatron_teacher.MegatronTeacher
@@ -64,6 +83,9 @@ class InStepTeacher:
         if self.teacher.cfg.offload_between_calls:
             self.teacher.offload()
 
+    def after_update(self, student_chunks: list) -> None:
+        """Called by the engine after each applied optimizer step; a frozen teacher does nothing."""
+
 
 class PairedChunk(torch.nn.Module):
     """One student chunk (DDP-wrapped) and the teacher chunk of the same pipeline position.
@@ -71,6 +93,9 @@ class PairedChunk(torch.nn.Module):
     Megatron's schedule sees this module: `config` is the student's with the hidden size of the
     concatenated p2p tensor, `set_input_tensor` splits what the previous stage sent, and
     `module` points at the student for everything else Megatron looks up (`model_type`, layers).
+    The teacher chunk may be the student's own module (a self teacher with the current weights):
+    each forward then sets its own input tensor right before it runs, and the teacher's forward runs
+    in eval mode (no dropout) without building a graph.
     """
 
     def __init__(self, student, teacher, config, student_hidden: int, teacher_hidden: int,
@@ -85,59 +110,55 @@ class PairedChunk(torch.nn.Module):
             config.hidden_size = student_hidden + teacher_hidden
         self.config = config
         self.post_process = _unwrap(student).post_process
-        # the teacher's own packing, (tokens [1, M], position_ids [1, M], packed_seq_params), set per
-        # micro-batch by the engine; None: the teacher reads the student's tokens
-        self.teacher_input = None
+        self._inputs = (None, None)  # (student, teacher) halves of what the previous stage sent
 
     def set_input_tensor(self, input_tensor) -> None:
         tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
         if tensor is None:  # first stage: the models embed the tokens themselves
-            _unwrap(self.module).set_input_tensor(None)
-            self.teacher[0].set_input_tensor(None)
+            self._inputs = (None, None)
             return
         student, teacher = tensor.split([self.student_hidden, self.teacher_hidden], dim=-1)
-        _unwrap(self.module).set_input_tensor(student.contiguous())
         teacher_dtype = self.teacher[0].config.params_dtype
-        self.teacher[0].set_input_tensor(teacher.detach().to(teacher_dtype).contiguous())
+        self._inputs = (student.contiguous(), teacher.detach().to(teacher_dtype).contiguous())
 
-    def forward(self, *args, **kwargs):
-        """Last stage: (student logits, teacher logits); other stages: the concatenated hidden."""
+    def forward(self, *args, teacher_input=None, **kwargs):
+        """Last stage: (student logits, teacher output); other stages: the concatenated hidden.
+
+        `teacher_input`: (tokens, position ids, packed_seq_params) of the teacher's own packing of the
+        micro-batch (`PackedBatch.teacher_tokens`); its last stage then returns final-norm hidden
+        states, which the engine pairs with the student's rows (see the module docstring)."""
+        _unwrap(self.module).set_input_tensor(self._inputs[0])
         student_out = self.module(*args, **kwargs)
-        with torch.no_grad():
-            if self.teacher_input is None:
-                teacher_out = self.teacher[0](*args, **kwargs)
+        teacher = self.teacher[0]
+        teacher.set_input_tensor(self._inputs[1])
+        with torch.no_grad(), _evaluating(teacher):
+            if teacher_input is None:
+                teacher_out = teacher(*args, **kwargs)
             else:
-                tokens, positions, params = self.teacher_input
-                teacher_out = self.teacher[0](tokens, positions, attention_mask=None,
-                                              packed_seq_params=params)
+                tokens, positions, packed = teacher_input
+                with hidden_output(teacher) if self.post_process else contextlib.nullcontext():
+                    teacher_out = teacher(tokens, positions, attention_mask=None, packed_seq_params=packed)
         if self.post_process:
             return student_out, teacher_out
         return torch.cat([student_out, teacher_out.to(student_out.dtype)], dim=-1)
+
+
+@contextlib.contextmanager
+def _evaluating(module):
+    """`module` (and every submodule) in eval mode inside the block, each restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def _unwrap(module):
     while hasattr(module, "module") and not hasattr(module, "decoder"):
         module = module.module
     return module
-
-
-def teacher_packing(batch: PackedBatch) -> PackedBatch | None:
-    """The teacher-side sequences of a micro-batch whose teacher has its own tokens, packed as the
-    model reads them; None when the teacher reads the student's tokens."""
-    teacher = batch.teacher
-    if not isinstance(teacher, CrossTokenizerTeacher):
-        return None
-    cu = teacher.cu_seqlens
-    lengths = (cu[1:] - cu[:-1]).long()
-    starts = torch.repeat_interleave(cu[:-1].long(), lengths)
-    positions = torch.arange(teacher.tokens.numel(), dtype=torch.int64) - starts
-    return PackedBatch(tokens=teacher.tokens, position_ids=positions, cu_seqlens=cu,
-                       loss_mask=torch.zeros(teacher.tokens.numel(), dtype=torch.float32))
-
-
-def with_teacher_logits(teacher: CrossTokenizerTeacher, logits_local: torch.Tensor) -> CrossTokenizerTeacher:
-    """The cross-tokenizer teacher with the step's dense rows `[M, V_local]` filled in."""
-    return dataclasses.replace(teacher, rows=DenseTeacher(logits_local))
 
 
 def paired_chunks(student_chunks: list, teacher: InStepTeacher, config) -> list[PairedChunk]:

@@ -60,16 +60,16 @@ class CrossTokenizerTeacher:
     rows: `TopKTeacher` `[M, K]` in teacher ids (a scoring teacher), `DenseTeacher` `[M, V_local]`
         sharded over the teacher's vocabulary (a megatron teacher in the step), or None until the
         step's teacher has run.
-    tokens: `[M]` the teacher's token sequence(s), `cu_seqlens` `[B+1]` int32 their boundaries:
-        what an in-step teacher runs on.
+    tokens: `[M]` int64, one sample's teacher-side sequence (what the teacher scores, and what an
+        in-step teacher runs on: the stages pack the samples' sequences into the micro-batch's
+        `teacher_tokens`, engine/teacher_in_step.py); None in a packed micro-batch's teacher.
     teacher_to_student: `[V_teacher]` int64, the student id of each teacher id (-1: none), the
         vocabulary map built once for the run (`data.token_alignment.VocabMap`), carried along.
     """
 
     rows: TopKTeacher | DenseTeacher | None
     index: SpanIndex
-    tokens: torch.Tensor
-    cu_seqlens: torch.Tensor
+    tokens: torch.Tensor | None
     teacher_to_student: torch.Tensor | None = None
 
     @property
@@ -105,7 +105,8 @@ def sample_index(student_len: int, student_prompt: int, teacher_seq: list[int], 
 
 def concat_cross_teachers(parts: list[CrossTokenizerTeacher]) -> CrossTokenizerTeacher:
     """The samples' teachers of one packed micro-batch, in order: indices shifted to the batch's
-    rows, teacher rows concatenated (top-k rows padded to the widest K)."""
+    rows, teacher rows concatenated (top-k rows padded to the widest K); the teacher-side tokens
+    travel as the micro-batch's `teacher_tokens` packing, not here."""
     s_off = t_off = 0
     fields = {f.name: [] for f in dataclasses.fields(SpanIndex)}
     for part in parts:
@@ -118,12 +119,8 @@ def concat_cross_teachers(parts: list[CrossTokenizerTeacher]) -> CrossTokenizerT
         s_off += idx.num_student_rows
         t_off += idx.num_teacher_rows
     index = SpanIndex(**{name: torch.cat(values) for name, values in fields.items()})
-    lengths = torch.tensor([p.tokens.shape[0] for p in parts], dtype=torch.int32)
-    cu = torch.zeros(len(parts) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
     rows = _concat_rows([p.rows for p in parts])
-    return CrossTokenizerTeacher(rows, index, torch.cat([p.tokens for p in parts]), cu,
-                                 parts[0].teacher_to_student)
+    return CrossTokenizerTeacher(rows, index, None, parts[0].teacher_to_student)
 
 
 def _concat_rows(rows: list):

@@ -20,8 +20,20 @@ class Sample:
     weight_version: int
     group_id: int
     data: dict = field(default_factory=dict)  # per-prompt fields (data_source, answer, ...)
+    # the teacher's own prompt (privileged context, `data/teacher_prompts.py`); None: the student's
+    teacher_prompt_ids: list[int] | None = None
 
     @property
     def sequence(self) -> list[int]:
-        """Prompt followed by response: what a teacher scores."""
+        """Prompt followed by response: what the student trains on."""
         return list(self.prompt_ids) + list(self.response_ids)
+
+    @property
+    def teacher_prompt_len(self) -> int:
+        return len(self.prompt_ids if self.teacher_prompt_ids is None else self.teacher_prompt_ids)
+
+    @property
+    def teacher_sequence(self) -> list[int]:
+        """The teacher's prompt followed by the same response: what a teacher scores."""
+        prompt = self.prompt_ids if self.teacher_prompt_ids is None else self.teacher_prompt_ids
+        return list(prompt) + list(self.response_ids)

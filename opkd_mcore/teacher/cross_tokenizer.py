@@ -92,7 +92,6 @@ class CrossTokenizerScorer(SampleScorer):
             index = sample_index(len(sample.sequence), len(sample.prompt_ids), seq, prompt_len, spans.spans,
                                  spans.exact)
             out.append(CrossTokenizerTeacher(r, index, torch.tensor(seq, dtype=torch.int64),
-                                             torch.tensor([0, len(seq)], dtype=torch.int32),
                                              self.teacher_to_student))
         return out
 

@@ -2,6 +2,7 @@
 
     <output_dir>/checkpoints/step_000012/
         engine/               student model + optimizer + LR schedule (Megatron dist checkpoint)
+        teacher_ema/          a self teacher's moving average of the student (weights: ema), if any
         trainer_state.json    step, weight version, data-sampler position
         rng/rank_00000.pt     every RNG state of each rank (platform.rng_state)
         config.yaml           the resolved config the checkpoint was written with
@@ -38,7 +39,7 @@ from opkd_mcore.platform import global_rank
 from opkd_mcore.platform.durable import fsync_path, fsync_tree
 from opkd_mcore.platform.rng_state import capture_rng_states, restore_rng_states
 from opkd_mcore.train.metrics import METRICS_FILE, TENSORBOARD_DIR
-from opkd_mcore.train.samples_log import SAMPLES_FILE, SKIPPED_FILE
+from opkd_mcore.train.samples_log import SAMPLES_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,17 @@ LATEST = "latest"
 STEP_PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
 ENGINE_DIR = "engine"
+TEACHER_STATE_DIR = "teacher_ema"  # the weights of a teacher that follows the student (weights: ema)
 EXPORT_DIR = "student_hf"  # the final student as an HF checkpoint
 # Everything a run writes into its output directory (fnmatch patterns), and so everything
 # `--overwrite` removes: the export's staging directories and the JSONL files' truncation copies
 # that a killed run leaves behind are its own too. A fresh run refuses a directory holding any.
+# Not `SKIPPED_FILE` (skipped_prompts.jsonl): every start rewrites it whole, so an earlier run's copy
+# is never kept, and rank 0 writes it while reading the data, before the ranks meet in
+# `init_distributed` (the data is checked before any engine starts), when a slower rank of the same
+# run may still be checking the directory and must not take it for an earlier run's output.
 RUN_ARTIFACTS = (
-    "checkpoints", METRICS_FILE, f"{METRICS_FILE}.tmp", SAMPLES_FILE, f"{SAMPLES_FILE}.tmp", SKIPPED_FILE,
+    "checkpoints", METRICS_FILE, f"{METRICS_FILE}.tmp", SAMPLES_FILE, f"{SAMPLES_FILE}.tmp",
     EXPORT_DIR, f".{EXPORT_DIR}.tmp-*", f".{EXPORT_DIR}.old-*", "config.yaml", TENSORBOARD_DIR,
 )
 
@@ -118,12 +124,17 @@ def save_checkpoint(output_dir: str, engine, state: TrainerState, config_yaml: s
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
     engine.save_checkpoint(os.path.join(path, ENGINE_DIR))
+    teacher = _stateful_teacher(engine)
+    if teacher is not None:
+        teacher.save_state(os.path.join(path, TEACHER_STATE_DIR))
     _save_torch(capture_rng_states(), os.path.join(path, "rng", f"rank_{global_rank():05d}.pt"))
     _barrier()
     if global_rank() == 0:
         # trainer_state.json last, once every rank's part is durable: a directory holding it is a
         # complete checkpoint, which is what resume falls back to when `latest` is dangling
         fsync_tree(os.path.join(path, ENGINE_DIR))
+        if teacher is not None:
+            fsync_tree(os.path.join(path, TEACHER_STATE_DIR))
         fsync_path(os.path.join(path, "rng"))
         _write_text(os.path.join(path, "config.yaml"), config_yaml)
         _write_text(os.path.join(path, STATE_FILE), json.dumps(asdict(state), indent=2))
@@ -133,6 +144,12 @@ def save_checkpoint(output_dir: str, engine, state: TrainerState, config_yaml: s
     _barrier()
     logger.info("saved checkpoint %s", path)
     return path
+
+
+def _stateful_teacher(engine):
+    """The engine's in-step teacher when its weights are part of the run's state (an EMA), else None."""
+    teacher = getattr(engine, "teacher", None)
+    return teacher if getattr(teacher, "stateful", False) else None
 
 
 def _step_of(name: str) -> int | None:
@@ -456,6 +473,13 @@ def load_checkpoint(path: str, engine) -> TrainerState:
     if not os.path.isfile(os.path.join(path, STATE_FILE)):
         raise ValueError(f"checkpoint {path!r}: no {STATE_FILE} (not a complete checkpoint)")
     engine.load_checkpoint(os.path.join(path, ENGINE_DIR))
+    teacher = _stateful_teacher(engine)
+    if teacher is not None:
+        state_dir = os.path.join(path, TEACHER_STATE_DIR)
+        if not os.path.isdir(state_dir):
+            raise ValueError(f"checkpoint {path!r}: no {TEACHER_STATE_DIR}/ holding the weights of the "
+                             f"teacher {teacher.name}; it was written by a run without that teacher")
+        teacher.load_state(state_dir)
     rng_file = os.path.join(path, "rng", f"rank_{global_rank():05d}.pt")
     if os.path.isfile(rng_file):
         restore_rng_states(_load_rng_file(rng_file))

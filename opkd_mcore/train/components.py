@@ -11,9 +11,9 @@ import dataclasses
 import logging
 import os
 
-from opkd_mcore.config.loss_rules import teacher_kind
+from opkd_mcore.config.loss_rules import teacher_kind, teacher_output
 from opkd_mcore.config.schema import OptimSection, TrainConfig
-from opkd_mcore.data import PromptSampler, build_train_set
+from opkd_mcore.data import Overlong, PromptSampler, build_train_set
 from opkd_mcore.data.rewards import TaskRewards
 from opkd_mcore.engine.megatron_engine import MegatronEngine
 from opkd_mcore.losses.plan import LossPlan, resolve_loss_plan
@@ -30,6 +30,7 @@ from opkd_mcore.train.teacher_setup import (
     build_in_step_teacher,
     build_scoring_teacher,
     in_step_endpoint,
+    in_step_model,
     with_hidden_teacher_head,
 )
 from opkd_mcore.weight_sync.engine_link import SpmdWeightSync
@@ -65,12 +66,15 @@ def shard_layout(engine) -> ShardLayout:
 def build_student(model_dir: str, optim: OptimSection | None, params_dtype: str = "float32", *,
                   padded_vocab: int | None = None, teacher=None, moe_aux_loss_coef: float = 0.0):
     """Megatron chunks of this rank loaded from an HF checkpoint, wrapped in a `MegatronEngine`
-    (with `teacher`, an `InStepTeacher`, run inside each training step). An MoE student gets the
-    router load-balancing loss when `moe_aux_loss_coef` > 0."""
+    (with `teacher`, an `InStepTeacher`, run inside each training step; or a function of the
+    student's chunks that builds one: a self teacher with the current weights runs the chunks
+    themselves). An MoE student gets the router load-balancing loss when `moe_aux_loss_coef` > 0."""
     moe = {"moe_aux_loss_coeff": moe_aux_loss_coef} if moe_aux_loss_coef else {}
     chunks = build_model(load_hf_config(model_dir), params_dtype=TORCH_DTYPES[params_dtype],
                          padded_vocab=padded_vocab, **moe)
     load_hf_weights(chunks, model_dir)
+    if callable(teacher):
+        teacher = teacher(chunks)
     return MegatronEngine(chunks, optim, teacher=teacher), chunks
 
 
@@ -89,7 +93,7 @@ def shared_padded_vocab(cfg: TrainConfig) -> tuple[int, int]:
     padded = padded_vocab_size(student_vocab, tp)
     t = in_step_endpoint(cfg)
     if t is not None:
-        padded = max(padded, padded_vocab_size(load_hf_config(t.model).vocab_size, tp))
+        padded = max(padded, padded_vocab_size(load_hf_config(in_step_model(cfg, t)).vocab_size, tp))
     return padded, student_vocab
 
 
@@ -117,10 +121,12 @@ def build_rollout(cfg: TrainConfig, model_dir: str | None = None, tensor_paralle
     ro = cfg.rollout
     # raw logprobs (before temperature / top-p): the student's logprobs in the policy-gradient
     # form are at T=1 too, so the importance ratio compares like with like at any temperature
+    # a self teacher with top-k output scores with this engine: it returns that many logprobs too
+    self_k = [t.top_k for t in cfg.teacher.teachers if t.backend == "self" and teacher_output(t) == "topk"]
     rc = RolloutConfig(dtype=cfg.model.params_dtype, max_model_len=ro.max_model_len,
                        tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=sleep_mode,
                        gpu_memory_utilization=ro.gpu_memory_utilization,
-                       enforce_eager=ro.enforce_eager, seed=ro.seed, max_logprobs=1,
+                       enforce_eager=ro.enforce_eager, seed=ro.seed, max_logprobs=max([1, *self_k]),
                        logprobs_mode="raw_logprobs")
     return VllmRollout(model_dir or cfg.model.student, rc, worker_extension_cls=RECEIVER_CLS)
 
@@ -192,12 +198,18 @@ def record_skipped(cfg: TrainConfig, train_set, skipped) -> None:
     if not is_rank0():
         return
     path = write_skipped(cfg.run.output_dir, [o.to_dict() for o in skipped])
-    if skipped:
+    total = len(skipped) + len(train_set)
+    overlong = [o for o in skipped if isinstance(o, Overlong)]
+    if overlong:
         ro = cfg.rollout
         logger.warning("data.overlong: skip: %d of %d prompts of %s leave no room for rollout.max_new_tokens "
                        "= %d in rollout.max_model_len = %d; training on the other %d (the skipped ones are "
-                       "listed in %s)", len(skipped), len(skipped) + len(train_set), train_set.name,
+                       "listed in %s)", len(overlong), total, train_set.name,
                        ro.max_new_tokens, ro.max_model_len, len(train_set), path)
+    if len(overlong) < len(skipped):
+        logger.warning("data.missing_teacher_prompt: skip: %d of %d records of %s have no teacher prompt; "
+                       "training on the other %d (the skipped ones are listed in %s)",
+                       len(skipped) - len(overlong), total, train_set.name, len(train_set), path)
 
 
 def build_run(cfg: TrainConfig, *, resume: bool = False):
@@ -210,7 +222,7 @@ def build_run(cfg: TrainConfig, *, resume: bool = False):
     # vLLM engines before `init_distributed`: importing vLLM after the CPU emulation is on trips
     # torch.compile
     rollout = build_rollout(cfg) if is_rank0() else None
-    teacher = build_scoring_teacher(cfg, student_vocab_size(cfg)) if is_rank0() else None
+    teacher = build_scoring_teacher(cfg, student_vocab_size(cfg), rollout) if is_rank0() else None
     init_distributed(cfg)
     engine, chunks, shard, tp_group = build_trainer_rank(cfg)
     syncer = build_weight_sync(chunks, rollout, cfg)

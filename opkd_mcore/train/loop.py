@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.data import PromptDataset, PromptSampler, encode_record
 from opkd_mcore.data.rewards import TaskRewards
+from opkd_mcore.data.teacher_prompts import TeacherPrompts, encode_teacher_prompt
 from opkd_mcore.engine.megatron_engine import MegatronEngine
 from opkd_mcore.losses.plan import LossPlan
 from opkd_mcore.platform import is_rank0
@@ -115,4 +116,10 @@ def encode_prompts(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, dataset
                              "prompt": dataset.prompt(i), "messages": dataset.messages(i)}) for i in indices]
     ids = [encode_record(tokenizer, dataset, i, cfg.data.chat_template) for i in indices]
     seeds = [sample_seed(cfg.rollout.seed, batch_number, j) for j in range(len(indices))]
-    return stages.PromptBatch(indices=list(indices), prompt_ids=ids, data=data, seeds=seeds)
+    teacher_ids = None
+    teacher_prompts = TeacherPrompts.from_config(cfg.data)
+    if teacher_prompts is not None:  # every record has one: the others were refused or skipped
+        teacher_ids = [encode_teacher_prompt(tokenizer, dataset, i, teacher_prompts, cfg.data.chat_template)
+                       for i in indices]
+    return stages.PromptBatch(indices=list(indices), prompt_ids=ids, data=data, seeds=seeds,
+                              teacher_prompt_ids=teacher_ids)

@@ -10,6 +10,7 @@ trainer rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ from opkd_mcore.config.schema import ParallelSection
 from opkd_mcore.data.rewards import TaskRewards, group_advantages
 from opkd_mcore.engine.megatron_engine import MegatronEngine
 from opkd_mcore.engine.micro_batches import micro_batch_groups
-from opkd_mcore.engine.packing import PackedBatch, pack_sequences
+from opkd_mcore.engine.packing import PackedBatch, pack_model_input, pack_sequences
+from opkd_mcore.engine.response_pairing import packed_response_index, pair_scored_rows
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, teacher_confidence_scores, teacher_confidence_weights
 from opkd_mcore.losses.plan import LossPlan
 from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher, concat_cross_teachers
@@ -42,13 +44,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class PromptBatch:
-    """Prompts of one step: dataset indices, token ids, per-prompt data (answer, data_source), and
-    one sampling seed per prompt (None: the engine's own stream)."""
+    """Prompts of one step: dataset indices, token ids, per-prompt data (answer, data_source), one
+    sampling seed per prompt (None: the engine's own stream), and the teacher's own prompt of each
+    (`data/teacher_prompts.py`; None for all or one: the teacher scores the student's prompt)."""
 
     indices: list[int]
     prompt_ids: list[list[int]]
     data: list[dict]
     seeds: list[int] | None = None
+    teacher_prompt_ids: list[list[int] | None] | None = None
 
 
 @dataclass
@@ -81,20 +85,35 @@ class TrainResult:
 def rollout_stage(rollout: VllmRollout, prompts: PromptBatch, sampling: SamplingConfig) -> RolloutBatch:
     start = time.perf_counter()
     samples = rollout.generate(prompts.prompt_ids, sampling, data=prompts.data, seeds=prompts.seeds)
+    if prompts.teacher_prompt_ids is not None:
+        for s in samples:  # group_id: the prompt's place in the batch
+            s.teacher_prompt_ids = prompts.teacher_prompt_ids[s.group_id]
     return RolloutBatch(samples=samples, seconds=time.perf_counter() - start)
 
 
 def teacher_stage(teacher: SampleScorer | None, batch: RolloutBatch) -> ScoredBatch:
-    """Score every sample's prompt+response with its data (a router picks the teacher by it);
-    `teacher` None when the teacher runs inside the student's step (rows stay None)."""
+    """Score every sample's teacher prompt + response with its data (a router picks the teacher by
+    it), each sample's rows paired with its own rows (`paired_rows`); `teacher` None when the
+    teacher runs inside the student's step (rows stay None)."""
     start = time.perf_counter()
     if teacher is None:
         return ScoredBatch(samples=batch.samples, teacher=[None] * len(batch.samples))
     if isinstance(teacher, CrossTokenizerScorer):  # another tokenizer: it re-tokenizes the samples
         return ScoredBatch(samples=batch.samples, teacher=teacher.score_rollout(batch.samples),
                            seconds=time.perf_counter() - start)
-    rows = teacher.score_samples([s.sequence for s in batch.samples], [s.data for s in batch.samples])
+    rows = teacher.score_samples([s.teacher_sequence for s in batch.samples], [s.data for s in batch.samples])
+    rows = [paired_rows(r, s) for r, s in zip(rows, batch.samples)]
     return ScoredBatch(samples=batch.samples, teacher=rows, seconds=time.perf_counter() - start)
+
+
+def paired_rows(rows: TeacherOutput | None, sample: Sample) -> TeacherOutput | None:
+    """A teacher's rows of `sample.teacher_sequence` in the layout of `sample.sequence`: the same when
+    the teacher scored the student's prompt, else each response row moved to the student's row of the
+    same token and the prompt rows padding (`engine/response_pairing.py`)."""
+    if sample.teacher_prompt_ids is None:
+        return rows
+    return pair_scored_rows(rows, len(sample.prompt_ids), len(sample.teacher_prompt_ids),
+                            len(sample.response_ids))
 
 
 def reward_stage(scored: ScoredBatch, rewards: TaskRewards,
@@ -205,12 +224,35 @@ def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLa
         samples = [scored.samples[i] for i in idx]
         rows = [_pad_teacher_rows(scored.teacher[i], shard) for i in idx]
         advantages = scored.task_advantages
-        batches.append(pack_sequences(
+        batch = pack_sequences(
             [s.sequence for s in samples], [len(s.prompt_ids) for s in samples],
             sampler_logprobs=[s.response_logprobs for s in samples], teacher=_concat_teacher(rows),
             sequence_weights=None if seq_weights is None else seq_weights[idx],
-            task_advantages=None if advantages is None else [advantages[i] for i in idx]))
+            task_advantages=None if advantages is None else [advantages[i] for i in idx])
+        own = in_step_teacher_packing(samples, rows)
+        if own is not None:
+            batch = dataclasses.replace(batch, teacher_tokens=own[0], teacher_index=own[1])
+        batches.append(batch)
     return batches, counts
+
+
+def in_step_teacher_packing(samples: list[Sample],
+                            teachers: list) -> tuple[PackedBatch, torch.Tensor | None] | None:
+    """What an in-step teacher on tokens of its own runs on (engine/teacher_in_step.py): its packing
+    of the samples' teacher-side sequences, in order, and with teacher prompts the row of it that each
+    row of the student's packing pairs with (`engine/response_pairing.py`); across tokenizers no such
+    index (the span index in the teacher's rows pairs them). None when the teacher reads the
+    student's packing or already scored (`teachers`: the samples' rows, None for an in-step one)."""
+    if isinstance(teachers[0], CrossTokenizerTeacher):
+        if teachers[0].rows is not None:
+            return None
+        return pack_model_input([t.tokens.tolist() for t in teachers]), None
+    if teachers[0] is not None or all(s.teacher_prompt_ids is None for s in samples):
+        return None
+    index = packed_response_index([len(s.prompt_ids) for s in samples],
+                                  [s.teacher_prompt_len for s in samples],
+                                  [len(s.response_ids) for s in samples])
+    return pack_model_input([s.teacher_sequence for s in samples]), index
 
 
 def train_stage(engine: MegatronEngine, scored: ScoredBatch, plan: LossPlan, par: ParallelSection,

@@ -6,6 +6,11 @@
 * A `megatron` teacher is a `MegatronTeacher` inside the SPMD job, on the student's parallel
   groups, run micro-batch by micro-batch inside the student's step (`engine/teacher_in_step.py`):
   its TP-sharded logits never leave the rank that uses them.
+* A `self` teacher is the student (`engine/self_teacher.py`): with dense output it runs in the step
+  like a megatron teacher, on the student's own chunks (`weights: current`), on a frozen copy loaded
+  from the student's checkpoint (`initial`: a megatron teacher of that directory) or on a moving
+  average of the student (`ema`); with top-k output the rollout engine scores with prompt logprobs
+  (`teacher/rollout_teacher.py`).
 * With `loss.cross_tokenizer` the run's one teacher is wrapped in a `CrossTokenizerScorer` (rank 0):
   it re-tokenizes each sample for the teacher and pairs the two sides by span; a megatron teacher
   then still runs in the step, on the teacher-side tokens the wrapper built.
@@ -13,11 +18,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
-from opkd_mcore.config.loss_rules import cross_tokenizer_mode
+from opkd_mcore.config.loss_rules import cross_tokenizer_mode, runs_in_step
 from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
 from opkd_mcore.config.validate import teacher_output
+from opkd_mcore.engine.self_teacher import CurrentWeightsTeacher, EmaTeacher
 from opkd_mcore.engine.teacher_in_step import InStepTeacher
 from opkd_mcore.models import TORCH_DTYPES, load_hf_config
 from opkd_mcore.teacher.cross_tokenizer import CrossTokenizerScorer
@@ -25,6 +32,7 @@ from opkd_mcore.teacher.hf_teacher import TransformersTeacher
 from opkd_mcore.teacher.hidden_states import load_output_weight_shard
 from opkd_mcore.teacher.megatron_teacher import MegatronTeacher, MegatronTeacherConfig
 from opkd_mcore.teacher.remote import RemoteTeacherConfig, RemoteVllmTeacher
+from opkd_mcore.teacher.rollout_teacher import RolloutEngineTeacher
 from opkd_mcore.teacher.router import TeacherRouter
 from opkd_mcore.teacher.vllm_teacher import VllmTeacher, VllmTeacherConfig
 
@@ -32,8 +40,14 @@ logger = logging.getLogger(__name__)
 
 
 def in_step_endpoint(cfg: TrainConfig) -> TeacherEndpoint | None:
-    """The `megatron` teacher of the run (validation allows at most one, alone), or None."""
-    return next((t for t in cfg.teacher.teachers if t.backend == "megatron"), None)
+    """The in-step teacher of the run (`megatron`, or `self` with dense output; validation allows at most
+    one, alone), or None."""
+    return next((t for t in cfg.teacher.teachers if runs_in_step(t)), None)
+
+
+def in_step_model(cfg: TrainConfig, t: TeacherEndpoint) -> str:
+    """The HF checkpoint an in-step teacher is built from: the student's for a self teacher."""
+    return cfg.model.student if t.backend == "self" else t.model
 
 
 def with_hidden_teacher_head(cfg: TrainConfig, shard, dtype, device=None):
@@ -53,7 +67,12 @@ def with_hidden_teacher_head(cfg: TrainConfig, shard, dtype, device=None):
                                teacher_vocab=min(vocab, shard.vocab_size or vocab))
 
 
-def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None):
+def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None, rollout=None):
+    if t.backend == "self":  # top-k output (dense runs in the step): the rollout engine scores
+        if rollout is None:
+            raise ValueError(f"teacher {t.name!r}: a self teacher with top-k output scores with the rollout "
+                             "engine of this process, and there is none here")
+        return RolloutEngineTeacher(rollout, k=t.top_k, name=t.name)
     if t.backend == "vllm":
         # the rollout's context: the teacher scores a sample that fills it (its last token by the
         # logprobs of a token sampled after the others, see vllm_teacher)
@@ -74,24 +93,25 @@ def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None
                      "(a megatron teacher runs inside the student's step)")
 
 
-def _replicas(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None) -> list:
+def _replicas(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None, rollout=None) -> list:
     urls = [t.url, *t.replica_urls] if t.replica_urls else [t.url]
-    return [_one_teacher(dataclasses.replace(t, url=url), cfg, student_vocab) for url in urls]
+    return [_one_teacher(dataclasses.replace(t, url=url), cfg, student_vocab, rollout) for url in urls]
 
 
-def build_scoring_teacher(cfg: TrainConfig, student_vocab: int | None = None):
+def build_scoring_teacher(cfg: TrainConfig, student_vocab: int | None = None, rollout=None):
     """Rank 0's teacher: one teacher, a router over several (by data source) and their replicas,
-    or None when the run's teacher is a `megatron` one (scored inside the step); across tokenizers
-    the `CrossTokenizerScorer` around the run's one teacher."""
+    or None when the run's teacher runs inside the step (`megatron`, `self` with dense output); across
+    tokenizers the `CrossTokenizerScorer` around the run's one teacher. `rollout`: the student's rollout
+    engine, which a `self` teacher with top-k output scores with."""
     if cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off":
         return cross_tokenizer_scorer(cfg)
     if in_step_endpoint(cfg) is not None:
         return None
     teachers = cfg.teacher.teachers
     if len(teachers) == 1 and not teachers[0].replica_urls:
-        return _one_teacher(teachers[0], cfg, student_vocab)
+        return _one_teacher(teachers[0], cfg, student_vocab, rollout)
 
-    by_name = {t.name: _replicas(t, cfg, student_vocab) for t in teachers}
+    by_name = {t.name: _replicas(t, cfg, student_vocab, rollout) for t in teachers}
     default = next((t.name for t in teachers if not t.data_sources), None)
     return TeacherRouter(by_name, field="teacher", default=default)
 
@@ -115,21 +135,30 @@ def cross_tokenizer_scorer(cfg: TrainConfig) -> CrossTokenizerScorer:
 
 
 def build_in_step_teacher(cfg: TrainConfig, padded_vocab: int, student_vocab: int):
-    """The run's `megatron` teacher on this rank (collective: every rank calls it), or None. Across
-    tokenizers it keeps its own vocabulary (its logits are aligned with the student's after the step)."""
+    """The run's in-step teacher on this rank (collective: every rank calls it), or None. A `self`
+    teacher with the current weights needs the student's chunks: it comes back as the function of them
+    that builds it (`components.build_student` calls it). Across tokenizers a megatron teacher keeps
+    its own vocabulary (its logits are aligned with the student's after the step)."""
     t = in_step_endpoint(cfg)
     if t is None:
         return None
+    if t.backend == "self" and t.weights == "current":
+        logger.info("teacher %s: the student's own chunks, a no-grad forward in its step (no copy)", t.name)
+        return functools.partial(CurrentWeightsTeacher, vocab_size=student_vocab, name=t.name)
     import torch
 
     own = cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off"
     vocab = load_hf_config(t.model).vocab_size if own else student_vocab
-
-    teacher = MegatronTeacher(t.model, MegatronTeacherConfig(
-        params_dtype=getattr(torch, cfg.model.params_dtype), offload_between_calls=t.offload,
-        padded_vocab=padded_vocab))
-    in_step = InStepTeacher(teacher, vocab_size=vocab, own_vocabulary=own)
-    logger.info("teacher %s: Megatron, in the student's step (%d parameters on this rank%s%s)", t.name,
+    ema = t.backend == "self" and t.weights == "ema"
+    dtype = torch.float32 if ema else getattr(torch, cfg.model.params_dtype)  # an average needs the bits
+    teacher = MegatronTeacher(in_step_model(cfg, t), MegatronTeacherConfig(
+        params_dtype=dtype, offload_between_calls=t.offload, padded_vocab=padded_vocab))
+    in_step = (EmaTeacher(teacher, vocab_size=student_vocab, decay=t.ema_decay, name=t.name) if ema
+               else InStepTeacher(teacher, vocab_size=vocab, own_vocabulary=own))
+    what = {"megatron": "Megatron", "initial": "the student's initial weights, frozen",
+            "ema": f"an EMA of the student (decay {t.ema_decay})"}
+    what = what[t.weights if t.backend == "self" else t.backend]
+    logger.info("teacher %s: %s, in the student's step (%d parameters on this rank%s%s)", t.name, what,
                 in_step.num_parameters(), ", offloaded between steps" if t.offload else "",
                 ", on its own tokens" if own else "")
     return in_step
