@@ -58,7 +58,7 @@ def main():
         for name, fn in cases.items():
             ms, tf = rate(fn, flops, args.repeats)
             print(f"{r:>6} {name:<28} {ms:8.3f} {tf:8.0f}")
-        del dz
+        cases.clear()  # the lambdas hold dz: free it before the next, larger one
 
 
 if __name__ == "__main__":
