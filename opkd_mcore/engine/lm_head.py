@@ -57,7 +57,8 @@ def hidden_output(*gpts):
             g.post_process = mode
 
 
-def hidden_rows(hidden_SBH: torch.Tensor, num_tokens: int, gpt, tp_group, *, trainable: bool = True) -> torch.Tensor:
+def hidden_rows(hidden_SBH: torch.Tensor, num_tokens: int, gpt, tp_group, *,
+                trainable: bool = True) -> torch.Tensor:
     """`[S(/TP), 1, H]` decoder output -> `[T, H]` rows in the TP region the output layer would use."""
     from megatron.core import tensor_parallel
 

@@ -96,7 +96,8 @@ class MoeStepStats:
         metrics = {}
         if routed.any():
             load = counts[routed] / (per_layer[routed] / self.num_experts)
-            metrics.update({"moe/expert_load_max": float(load.max()), "moe/expert_load_min": float(load.min())})
+            metrics.update({"moe/expert_load_max": float(load.max()),
+                            "moe/expert_load_min": float(load.min())})
         if self.aux_loss_coef > 0:
             metrics["moe/aux_loss"] = self._aux_loss(pp_group, dp_group)
         return metrics

@@ -54,8 +54,9 @@ def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.T
     return (weights * seq_value).sum() / _positive(denom, per_token)
 
 
-def aggregate_row_weights(loss_mask: torch.Tensor, seq_ids: torch.Tensor | None = None, mode: str = "token-mean",
-                          global_num_tokens=None, *, global_num_seqs=None, seq_weights: torch.Tensor | None = None,
+def aggregate_row_weights(loss_mask: torch.Tensor, seq_ids: torch.Tensor | None = None,
+                          mode: str = "token-mean", global_num_tokens=None, *, global_num_seqs=None,
+                          seq_weights: torch.Tensor | None = None,
                           num_seqs: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`c [T]` with `aggregate(per_token, loss_mask, ...) == sum(c * per_token)` for every `per_token`
     (`aggregate` is linear in it; same arguments): d loss / d per_token, known before the loss is.

@@ -94,11 +94,13 @@ def _check(hidden, weight, teacher, spec: KdSpec, *, tp_group, validate, impl):
     stand_in = teacher
     if isinstance(teacher, HiddenTeacher):
         th, tw = teacher.hidden, teacher.weight
-        if not (isinstance(th, torch.Tensor) and th.dim() == 2 and th.shape[0] == n and th.dtype == hidden.dtype):
+        if not (isinstance(th, torch.Tensor) and th.dim() == 2 and th.shape[0] == n
+                and th.dtype == hidden.dtype):
             raise ValueError(f"teacher.hidden: expected a {hidden.dtype} tensor [N={n}, H_t], got "
                              f"{validation._describe(th)}")
-        if not (isinstance(tw, torch.Tensor) and tuple(tw.shape) == (v_local, th.shape[1]) and tw.dtype == hidden.dtype):
-            raise ValueError(f"teacher.weight: expected a {hidden.dtype} tensor of shape {(v_local, th.shape[1])} "
+        want = (v_local, th.shape[1])
+        if not (isinstance(tw, torch.Tensor) and tuple(tw.shape) == want and tw.dtype == hidden.dtype):
+            raise ValueError(f"teacher.weight: expected a {hidden.dtype} tensor of shape {want} "
                              f"(sharded like the student's weight), got {validation._describe(tw)}")
         stand_in = DenseTeacher(as_logits)
     validation.check_options(stand_in, spec, impl="auto")
@@ -175,8 +177,8 @@ def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teache
     name = engine or engine_name(hidden, impl)
     if name is None:
         if impl not in ("auto", "reference"):
-            raise ValueError(f"impl: {impl!r} was requested but the fused LM-head kernels take {COVERED_DTYPES}, "
-                             f"got {hidden.dtype}")
+            raise ValueError(f"impl: {impl!r} was requested but the fused LM-head kernels take "
+                             f"{COVERED_DTYPES}, got {hidden.dtype}")
         loss = materialised_linear_kd_loss(hidden, weight, teacher, vocab_end=vocab_end,
                                            teacher_vocab_end=teacher_vocab_end, tp_group=tp_group,
                                            **validation.kd_kwargs(spec))
@@ -192,7 +194,8 @@ def linear_kd_loss_with_stats(hidden: torch.Tensor, weight: torch.Tensor, teache
 def _check_row_weights(row_weights, hidden: torch.Tensor, validate: bool) -> None:
     check_row_weights(row_weights, hidden)   # shape, dtype, device: the kernel entry's own check
     if validate and not torch.isfinite(row_weights).all():
-        raise ValueError("row_weights: expected finite values (d scalar / d loss per token), found inf or NaN")
+        raise ValueError("row_weights: expected finite values (d scalar / d loss per token), "
+                         "found inf or NaN")
 
 
 def linear_kd_loss_weighted(hidden: torch.Tensor, weight: torch.Tensor, teacher, row_weights: torch.Tensor, *,

@@ -211,7 +211,8 @@ class VllmRollout:
         prompt_ids = self._prompt_ids(prompts)
         requests, owners = self._requests(prompt_ids, sampling, seeds)
         version = self._enter()
-        inputs = [{"prompt_token_ids": prompt_ids[i], "cache_salt": prefix_cache_salt(version)} for i in owners]
+        salt = prefix_cache_salt(version)
+        inputs = [{"prompt_token_ids": prompt_ids[i], "cache_salt": salt} for i in owners]
         try:
             outputs = self.llm.generate(inputs, requests, use_tqdm=self.cfg.use_tqdm)
         finally:
@@ -243,7 +244,8 @@ class VllmRollout:
         # each step's entries begin with the sampled token
         firsts = steps.start_indices
         if [steps.token_ids[i] for i in firsts] != ids:
-            raise RuntimeError(f"generate: vLLM's logprobs of prompt {group_id} are not of its sampled tokens")
+            raise RuntimeError(f"generate: vLLM's logprobs of prompt {group_id} "
+                               "are not of its sampled tokens")
         logprobs = [float(steps.logprobs[i]) for i in firsts]
         return Sample(prompt_ids=list(prompt_ids), response_ids=ids, response_logprobs=logprobs,
                       finish_reason=str(completion.finish_reason), weight_version=version,

@@ -336,7 +336,8 @@ class RemoteVllmTeacher(Teacher):
         body, metadata = self._call("/pooling", self._pooling_body(batch), request, raw=True)
         t0 = time.perf_counter()
         states = decode_bytes_response(body, metadata, len(batch), request)
-        rows = [rows_from_states(s, x, f"{request}, sequence {j}") for j, (s, x) in enumerate(zip(batch, states))]
+        rows = [rows_from_states(s, x, f"{request}, sequence {j}")
+                for j, (s, x) in enumerate(zip(batch, states))]
         self._add_stats(parse_s=time.perf_counter() - t0, requests=1, tokens=sum(map(len, batch)))
         return rows
 

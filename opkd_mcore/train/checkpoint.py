@@ -344,7 +344,8 @@ RESUMABLE_KEYS = (
 # optimizer), data and its order, rollout sampling, teachers and what they return, sync cadence.
 RESULT_KEYS = (
     "model.*", "parallel.micro_batch_size", "parallel.max_tokens_per_micro_batch",
-    "parallel.global_batch_size", "loss.*", "optim.*", "data.*", "rollout.*", "teacher.*", "weight_sync.every_steps", "run.seed", "run.schedule",
+    "parallel.global_batch_size", "loss.*", "optim.*", "data.*", "rollout.*", "teacher.*",
+    "weight_sync.every_steps", "run.seed", "run.schedule",
     "run.max_staleness", "run.stale_policy", "run.is_truncation", "run.in_flight_update",
     "run.partial_rollout_tokens",
 )
@@ -484,7 +485,8 @@ def load_checkpoint(path: str, engine) -> TrainerState:
     if os.path.isfile(rng_file):
         restore_rng_states(_load_rng_file(rng_file))
     else:
-        logger.warning("checkpoint %s has no RNG state for rank %d (different world size?)", path, global_rank())
+        logger.warning("checkpoint %s has no RNG state for rank %d (different world size?)",
+                       path, global_rank())
     with open(os.path.join(path, STATE_FILE)) as f:
         state = TrainerState(**json.load(f))
     logger.info("resumed from %s (step %d, weight version %d)", path, state.step, state.weight_version)

@@ -88,7 +88,8 @@ def make_loss_fn(plan: LossPlan, counts: StepCounts, tp_group=None):
             per_token, metrics, scalar = _fused_head_kd(logits_local, batch, plan, tp_group, row_weights)
         elif isinstance(batch.teacher, HiddenTeacher):  # fused head off: the teacher's logits, formed here
             batch = copy.copy(batch)
-            batch.teacher = DenseTeacher(hidden_teacher_logits(batch.teacher, tp_group, dtype=logits_local.dtype))
+            logits = hidden_teacher_logits(batch.teacher, tp_group, dtype=logits_local.dtype)
+            batch.teacher = DenseTeacher(logits)
             return loss_fn(logits_local, batch)
         elif isinstance(batch.teacher, CrossTokenizerTeacher):  # a teacher with another tokenizer
             per_token, metrics = _cross_tokenizer_kd(logits_local, batch, plan, tp_group)

@@ -184,7 +184,8 @@ class ShardLayout:
     vocab_local: int = 0  # columns of this rank's logits shard
     padded_vocab: int = 0  # all shards together
     vocab_size: int | None = None  # the student's real vocabulary (columns past it are padding)
-    teacher_weight: torch.Tensor | None = None  # [vocab_local, H_t] shard of a hidden-state teacher's output weight
+    # [vocab_local, H_t] shard of a hidden-state teacher's output weight
+    teacher_weight: torch.Tensor | None = None
     teacher_vocab: int | None = None  # that teacher's real vocabulary (ids past it get probability 0)
 
 
@@ -218,7 +219,8 @@ def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLa
     total = len(scored.samples)
     counts = StepCounts(num_tokens=sum(len(s.response_ids) for s in scored.samples), num_seqs=total)
     groups = micro_batch_groups([len(s.sequence) for s in scored.samples], shard.dp_size, shard.dp_rank,
-                                micro_batch_size=par.micro_batch_size, max_tokens=par.max_tokens_per_micro_batch)
+                                micro_batch_size=par.micro_batch_size,
+                                max_tokens=par.max_tokens_per_micro_batch)
     batches = []
     for idx in groups:
         samples = [scored.samples[i] for i in idx]

@@ -82,9 +82,9 @@ def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None
             output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "remote":
         # the server is asked once whether it can score every id the student may sample
+        output = "hidden" if teacher_output(t) == "hidden" else "topk"
         return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k, student_vocab_size=student_vocab,
-                                                     scoring=t.scoring,
-                                                     output="hidden" if teacher_output(t) == "hidden" else "topk"))
+                                                     scoring=t.scoring, output=output))
     if t.backend == "hf":
         dtype = TORCH_DTYPES["float32" if t.dtype == "auto" else t.dtype]
         # dense: raw logits; kd_loss applies loss.temperature to dense teacher logits itself
