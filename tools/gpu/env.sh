@@ -7,6 +7,11 @@
 #   bash tools/gpu/env.sh stash .whl-ray/a # there, optional (Ray): one call per half, see wheels.sh
 #   eval "$(bash tools/gpu/env.sh)"        # there; carry: .vllm-parts/p2 and .whl
 #
+# Transformer Engine (what users of Megatron run; the layer spec switches to it when importable):
+# stash .te-parts/p0 .. p3 (../shared/device/te-bundle.sh) in earlier calls, then carry .te-parts/p4
+# into one call of this script (it builds TE's torch extension there, ~70 s); OPKD_NO_TE=1 leaves it
+# off for a call on a machine that has it (the lane's "without TE" half).
+#
 # Idempotent: a later call on the same warm machine only prints the exports again.
 set -euo pipefail
 root=$(pwd)
@@ -36,6 +41,13 @@ elif [ -d .vllm-parts/p2 ]; then
   bash .vllm-parts/p2/vllm-bundle.sh install .vllm-parts/p2
 else  # the calls that carry p0 / p1 run the work that needs no vLLM (kernels, Megatron)
   echo "env.sh: vLLM not installed yet (carry .vllm-parts/p2 after p0 and p1)" >&2
+fi
+if [ "${OPKD_NO_TE:-0}" != 1 ]; then
+  if [ -f /tmp/te-site/.ok ]; then
+    echo "export PYTHONPATH=/tmp/te-site\${PYTHONPATH:+:\$PYTHONPATH}"
+  elif [ -d .te-parts/p4 ]; then
+    bash .te-parts/p4/te-bundle.sh install .te-parts/p4
+  fi
 fi
 echo "export PYTHONPATH=$root:/tmp/site:\${PYTHONPATH:-} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1"\
      "NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false"

@@ -5,7 +5,7 @@
 #
 #   bash tools/gpu/lane.sh tests          # pytest -m "gpu or vllm": every vLLM test CI runs on CPU, on CUDA
 #                                         # (not the Ray-cluster tests: CPU bundles; `steps` is Ray on GPUs)
-#   bash tools/gpu/lane.sh tests1         # the same in four parts, tests1 .. tests4, each for one
+#   bash tools/gpu/lane.sh tests1         # the same in five parts, tests1 .. tests5, each for one
 #                                         # 10-minute device call (the whole took ~15 min on an H100)
 #   TESTS_DEADLINE=540 bash tools/gpu/lane.sh tests_pair   # what one GPU skips (2 GPUs; >9 minutes),
 #                                         # or tests_pair1 .. tests_pair4, tests_aborts
@@ -13,10 +13,11 @@
 #   bash tools/gpu/lane.sh tests_x4 a     # the GPU suite on 4 GPUs in three calls, parts side by side:
 #   bash tools/gpu/lane.sh tests_x4 b     # a: tests1 (GPU 0), tests2 (GPU 1), tests_pair1 (GPUs 2-3);
 #   bash tools/gpu/lane.sh tests_x4 c     # b: tests3, tests4, tests_pair2; c: tests_aborts then tests_pair4,
-#                                         # tests_pair3
+#                                         # tests_pair3; d: tests5
 #   bash tools/gpu/lane.sh tests_x2 a     # on 2 GPUs in six calls: a: tests3 (GPU 0) beside tests1
 #                                         # (GPU 1); b: tests_pair1; c: tests2 beside tests4;
-#                                         # d: tests_pair2; e: tests_aborts then tests_pair4; f: tests_pair3
+#                                         # d: tests_pair2; e: tests_aborts then tests_pair4; f: tests_pair3;
+#                                         # g: tests5
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -78,6 +79,11 @@ case "${1:-}" in
         tests/test_kernels_gpu.py tests/test_models_gpu.py tests/test_models_moe_e2e.py tests/test_rollout_vllm.py ;;
   tests2)
     bash "$0" tests tests/test_teacher_vllm.py tests/test_teacher_remote.py ;;
+  tests5)  # one GPU: the device top-k teacher and its server, self- and cross-tokenizer distillation,
+          # the peers harness
+    bash "$0" tests tests/test_teacher_device_topk.py tests/test_teacher_score_server.py \
+        tests/test_self_teacher.py tests/test_demo_self_distill.py tests/test_demo_cross_tokenizer.py \
+        tests/test_bench_peers.py ;;
   tests_pair)  # the tests that one GPU skips (2 ranks: Megatron-student weight-sync layouts, EP=2, TP/PP=2 train)
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py tests/test_models_moe_e2e.py \
         tests/test_train_resume.py tests/test_train_integration.py tests/test_models_moe_train.py \
@@ -100,12 +106,14 @@ case "${1:-}" in
       tests_x4:a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
       tests_x4:b) jobs=("0:tests3" "1:tests4" "2,3:tests_pair2") ;;
       tests_x4:c) jobs=("0,1:tests_aborts+tests_pair4" "2,3:tests_pair3") ;;
+      tests_x4:d) jobs=("0:tests5") ;;
       tests_x2:a) jobs=("0:tests3" "1:tests1") ;;
       tests_x2:b) jobs=("0,1:tests_pair1") ;;
       tests_x2:c) jobs=("0:tests2" "1:tests4") ;;
       tests_x2:d) jobs=("0,1:tests_pair2") ;;
       tests_x2:e) jobs=("0,1:tests_aborts+tests_pair4") ;;
       tests_x2:f) jobs=("0,1:tests_pair3") ;;
+      tests_x2:g) jobs=("0:tests5") ;;
       *) echo "$1: no part ${2}" >&2; exit 2 ;;
     esac
     pids=()
