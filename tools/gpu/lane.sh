@@ -22,6 +22,7 @@
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
 #   bash tools/gpu/lane.sh train1_hidden  # the same, the vLLM teacher sending hidden states (exact dense KD)
+#   bash tools/gpu/lane.sh train1_self    # a self teacher against a Megatron teacher of the same checkpoint
 #   bash tools/gpu/lane.sh train2         # the same with student TP=2 over 2 GPUs
 #   bash tools/gpu/lane.sh demo           # opkd demo --device cuda
 #   bash tools/gpu/lane.sh e2e qwen3-8b tp1-disagg   # weight sync Megatron -> vLLM vs raw (2 GPUs);
@@ -180,6 +181,16 @@ case "${1:-}" in
         run.output_dir=/tmp/runs/t1h$t teacher.teachers.0.output=hidden loss.support=null "${@:2}" \
         > "$OUT/train1_hidden$t.log" 2>&1
     cp /tmp/runs/t1h$t/metrics.jsonl "$OUT/train1_hidden${t}_metrics.jsonl" ;;
+  train1_self)  # a self teacher (the student's current weights, one no-grad forward in the step) against
+                # a separate Megatron teacher of the same checkpoint (a second copy of the weights)
+    t=${TAG:-}
+    for run in self megatron; do
+      model=/tmp/models/qwen3-0.6b; [ $run = self ] && model=  # a self teacher is model.student
+      gpu_memory_log "$OUT/train1_$run$t.log" python3 -m opkd_mcore.cli train --config $CFG \
+          run.output_dir=/tmp/runs/t1s$run$t teacher.teachers.0.backend=$run \
+          teacher.teachers.0.model=$model loss.support=null "${@:2}" > "$OUT/train1_$run$t.log" 2>&1
+      cp /tmp/runs/t1s$run$t/metrics.jsonl "$OUT/train1_${run}${t}_metrics.jsonl"
+    done ;;
   train2)  # the same two runs with student TP=2 over 2 GPUs (rollout engine and vLLM teacher on GPU 0)
     t=${TAG:-}
     run2=(python3 -m torch.distributed.run --nproc_per_node 2 -m opkd_mcore.cli train --config $CFG parallel.tp=2)
