@@ -144,7 +144,7 @@ def test_demo_refuses_an_out_that_is_a_file(demo_main, tmp_path, capsys):
 
 
 ARTIFACT_FILES = ("metrics.jsonl", "samples.jsonl", "student_hf/model.safetensors", "config.yaml",
-                  "tensorboard/events.out.tfevents.1.host")
+                  "tensorboard/events.out.tfevents.1.host", "profile/step3.rank0.json")
 
 
 @pytest.mark.parametrize("artifact", ARTIFACT_FILES)
@@ -196,7 +196,7 @@ def test_overwrite_removes_exactly_the_run_artifacts_and_logs_each(tmp_path, cap
         assert ckpt.prepare_run_dir(cfg, resume=False, overwrite=True) is None
     assert sorted(_tree(tmp_path)) == sorted(mine)
     for name in ("checkpoints", "metrics.jsonl", "samples.jsonl", "student_hf", "config.yaml", "tensorboard",
-                 ".student_hf.tmp-123", "metrics.jsonl.tmp"):
+                 "profile", ".student_hf.tmp-123", "metrics.jsonl.tmp"):
         assert os.path.join(str(tmp_path), name) in caplog.text, name
 
 

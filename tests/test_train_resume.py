@@ -9,6 +9,7 @@ a transformers-forward top-k teacher, Megatron distributed checkpoints.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -114,9 +115,11 @@ def _deterministic(rows: list[dict]) -> list[dict]:
 def test_killed_and_resumed_run_matches_uninterrupted(setup):
     root, config = setup
     full, broken = str(root / "full"), str(root / "broken")
-    _wait(_launch(config, full), full)
+    # the uninterrupted run also profiles one step: the traces must not change what it computes
+    _wait(_launch(config, full, "logging.profile_steps=[1]"), full)
     reference = read_jsonl(os.path.join(full, "metrics.jsonl"))
     assert [r["step"] for r in reference] == list(range(STEPS))
+    _check_profile(os.path.join(full, "profile"), step=1, ranks=2)
 
     proc = _launch(config, broken)
     _kill_after_first_checkpoint(proc, broken)
@@ -135,3 +138,16 @@ def test_killed_and_resumed_run_matches_uninterrupted(setup):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (want["step"], key)
     # the final student is exported once, by the resumed run
     assert os.path.isfile(os.path.join(broken, "student_hf", "config.json"))
+
+
+def _check_profile(folder: str, step: int, ranks: int) -> None:
+    """Each rank traced the step (a Chrome trace holding the model's matrix products, and the operator
+    table), and no other step."""
+    assert sorted(os.listdir(folder)) == sorted(f"step{step}.rank{r}.{ext}" for r in range(ranks)
+                                                for ext in ("json", "txt"))
+    for r in range(ranks):
+        with open(os.path.join(folder, f"step{step}.rank{r}.json")) as f:
+            names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+        assert {"aten::mm", "aten::addmm", "aten::matmul"} & names, sorted(names)[:40]
+        table = open(os.path.join(folder, f"step{step}.rank{r}.txt")).read()
+        assert "Self CPU" in table and "aten::" in table, table[:2000]

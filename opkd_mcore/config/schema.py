@@ -371,6 +371,10 @@ class LoggingSection:
     """write TensorBoard events (needs tensorboard installed)"""
     wandb_project: str | None = None
     """log to Weights & Biases (needs wandb installed)"""
+    profile_steps: list[int] = field(default_factory=list)
+    """steps (numbered as in metrics.jsonl, from 0) run under the torch profiler: each trainer rank writes
+    <output_dir>/profile/step<N>.rank<R>.json (a Chrome / Perfetto trace) and .txt (operators by device
+    time); the whole step under torchrun, the trainer's part of it under the Ray controller; [] = off"""
 
 
 @dataclass(kw_only=True)

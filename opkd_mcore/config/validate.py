@@ -461,6 +461,10 @@ def _check_run(cfg: TrainConfig) -> None:
     positive("logging.console_every", cfg.logging.console_every, allow_zero=True)
     if cfg.logging.wandb_project is not None:
         non_empty("logging.wandb_project", cfg.logging.wandb_project)
+    for step in cfg.logging.profile_steps:
+        if not 0 <= step < run.steps:
+            raise ConfigError(f"logging.profile_steps: step {step} is not a step of this run (0 .. "
+                              f"run.steps - 1 = {run.steps - 1}); got {cfg.logging.profile_steps}")
 
 
 def _check_schedule(cfg: TrainConfig) -> None:

@@ -34,6 +34,7 @@ from opkd_mcore.train.checkpoint import (
     require_checkpoint,
     save_checkpoint,
 )
+from opkd_mcore.train.metrics import step_profile
 from opkd_mcore.train.step_report import rollout_metrics
 from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport, SyncGroupsConfig
 
@@ -189,6 +190,10 @@ class TrainerWorker:
                                    balance_tokens=by_tokens)[self.shard.dp_rank]
 
     def train(self, batch: TrainBatch) -> TrainReply:
+        with step_profile(self.cfg.logging, self.cfg.run.output_dir, batch.step):
+            return self._train(batch)
+
+    def _train(self, batch: TrainBatch) -> TrainReply:
         import ray
 
         start = time.perf_counter()

@@ -38,7 +38,7 @@ from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.platform import global_rank
 from opkd_mcore.platform.durable import fsync_path, fsync_tree
 from opkd_mcore.platform.rng_state import capture_rng_states, restore_rng_states
-from opkd_mcore.train.metrics import METRICS_FILE, TENSORBOARD_DIR
+from opkd_mcore.train.metrics import METRICS_FILE, PROFILE_DIR, TENSORBOARD_DIR
 from opkd_mcore.train.samples_log import SAMPLES_FILE
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ EXPORT_DIR = "student_hf"  # the final student as an HF checkpoint
 RUN_ARTIFACTS = (
     "checkpoints", METRICS_FILE, f"{METRICS_FILE}.tmp", SAMPLES_FILE, f"{SAMPLES_FILE}.tmp",
     EXPORT_DIR, f".{EXPORT_DIR}.tmp-*", f".{EXPORT_DIR}.old-*", "config.yaml", TENSORBOARD_DIR,
+    PROFILE_DIR,
 )
 
 

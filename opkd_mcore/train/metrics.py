@@ -1,4 +1,5 @@
-"""Step metrics to the console (tqdm bar + periodic line), a JSONL file, TensorBoard and W&B.
+"""Step metrics to the console (tqdm bar + periodic line), a JSONL file, TensorBoard and W&B; the
+profiler traces of the steps `logging.profile_steps` names.
 
 Only rank 0 writes. Names are `group/name`. On resume the JSONL file is cut back to the steps
 before the resumed one (and a torn last line is dropped), and TensorBoard's event files get a purge
@@ -7,18 +8,29 @@ read exactly like an uninterrupted run's.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 
 from opkd_mcore.config.schema import LoggingSection
+from opkd_mcore.platform import global_rank
+from opkd_mcore.platform.profiling import profiled
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # event files, under the output directory
+PROFILE_DIR = "profile"  # profiler traces of logging.profile_steps, under the output directory
 # shown on the progress bar, in this order, when present
 BAR_KEYS = ("train/loss", "eval/accuracy", "rollout/response_len_mean", "timing/step")
+
+
+def step_profile(cfg: LoggingSection, out_dir: str, step: int):
+    """The profiler around step `step` (this rank's trace) when `logging.profile_steps` names it."""
+    if step not in cfg.profile_steps:
+        return contextlib.nullcontext()
+    return profiled(os.path.join(out_dir, PROFILE_DIR, f"step{step}.rank{global_rank()}"))
 
 
 def read_jsonl(path: str) -> list[dict]:

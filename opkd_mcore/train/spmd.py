@@ -12,7 +12,7 @@ from opkd_mcore.models import save_hf_checkpoint
 from opkd_mcore.platform import is_rank0
 from opkd_mcore.train.checkpoint import EXPORT_DIR, prepare_run_dir, save_checkpoint
 from opkd_mcore.train.components import build_run, close_run
-from opkd_mcore.train.metrics import MetricsLogger
+from opkd_mcore.train.metrics import MetricsLogger, step_profile
 from opkd_mcore.train.samples_log import SamplesLog
 
 
@@ -38,7 +38,8 @@ def train_spmd(cfg, *, resume: bool = False, export_only: bool = False, overwrit
     ckpt = cfg.checkpoint
     while run.state.step < cfg.run.steps and not export_only:
         step = run.state.step
-        metrics = run.step()
+        with step_profile(cfg.logging, out, step):
+            metrics = run.step()
         if step_hook is not None:
             metrics.update(step_hook(run, step) or {})
         log.log(step, metrics)
