@@ -143,6 +143,7 @@ def test_the_run_wraps_its_one_teacher(tmp_path):
     scorer = build_scoring_teacher(load_config(None, remote, validate=False))
     assert isinstance(scorer, CrossTokenizerScorer) and isinstance(scorer.teacher, RemoteVllmTeacher)
     assert scorer.teacher.cfg.student_vocab_size == len(digit_pair_tokenizer())
+    assert scorer.teacher.cfg.tokenizer_of == "teacher"
     with_replica = [*remote, "teacher.teachers.0.replica_urls=[http://h:1]"]
     replicas = build_scoring_teacher(load_config(None, with_replica, validate=False))
     assert isinstance(replicas.teacher, TeacherRouter)
@@ -153,3 +154,18 @@ def test_the_run_wraps_its_one_teacher(tmp_path):
     t_tok = digit_pair_tokenizer()
     assert scored[0].rows is None   # filled in the step
     assert scored[0].tokens.tolist() == ids(t_tok, "07+45=") + ids(t_tok, "250") + [t_tok.eos_token_id]
+
+
+def test_a_server_refusing_the_teachers_ids_names_the_teachers_tokenizer():
+    """Across tokenizers the requests carry the teacher tokenizer's ids: a server with a smaller
+    vocabulary is refused naming that tokenizer's key, not the student's."""
+    from opkd_mcore.teacher.base import TeacherError
+    from opkd_mcore.teacher.remote import RemoteTeacherConfig
+    from tests.test_teacher_remote import fake_server
+
+    with fake_server(vocab_size=100) as (url, _):
+        client = RemoteVllmTeacher(RemoteTeacherConfig(url=url, k=4, student_vocab_size=144, max_retries=0,
+                                                       tokenizer_of="teacher"))
+        with pytest.raises(TeacherError, match=rf"{url}: its vocabulary has 100 token ids, the teacher "
+                                               r"tokenizer .*\(teacher.teachers.0.model\) has 144"):
+            client.check_server()

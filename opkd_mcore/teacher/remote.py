@@ -7,18 +7,20 @@ opkd's device-scoring server (`opkd teacher-serve --scoring device`: packed top-
 OpenAI route; `auto` asks the server once (`GET /opkd/v1/topk`) and uses the packed route where it
 answers.
 
-On the OpenAI route, requests carry token-id prompts (the server must use the student's tokenizer)
+On the OpenAI route, requests carry token-id prompts (the server must use the student's tokenizer, or
+across tokenizers (`loss.cross_tokenizer`) the tokenizer the trainer re-tokenizes with for the teacher)
 with `prompt_logprobs=k` and `max_tokens=1`; the server must run with prefix caching off, or cached
 positions come back without logprobs (`opkd teacher-serve` starts it that way). A server's prompt
 logprobs are at temperature 1 and cannot be re-tempered from k entries, so a teacher temperature
 other than 1 is refused there rather than silently ignored (the packed route takes it).
 
 Before the first request the client checks, once per server, that the server takes every token id the
-student can emit. A stock vLLM server says nothing about its vocabulary size without extra flags
-(`/tokenizer_info` needs `--enable-tokenizer-info-endpoint` and lists no size), but it refuses a prompt
-id past its vocabulary with HTTP 400 "Token id N is out of vocabulary" (the packed route answers the
-same way). So one 1-token prompt with the student's largest id answers the question; only when it is
-refused does a bisection over ids find the server's size, for the error message.
+student can emit (across tokenizers: every id of the teacher's tokenizer). A stock vLLM server says
+nothing about its vocabulary size without extra flags (`/tokenizer_info` needs
+`--enable-tokenizer-info-endpoint` and lists no size), but it refuses a prompt id past its vocabulary
+with HTTP 400 "Token id N is out of vocabulary" (the packed route answers the same way). So one
+1-token prompt with the largest id answers the question; only when it is refused does a bisection
+over ids find the server's size, for the error message.
 """
 from __future__ import annotations
 
@@ -69,6 +71,8 @@ class RemoteTeacherConfig:
     backoff_max_s: float = 8.0  # cap of the retry delay
     student_vocab_size: int | None = None  # ids the student can emit (its HF vocab_size); the server
     # must accept all of them (checked once); None skips the check with a warning
+    tokenizer_of: str = "student"  # whose tokenizer writes the ids sent: student | teacher (across
+    # tokenizers the trainer re-tokenizes for the teacher; student_vocab_size is then the teacher's size)
     output: str = "topk"  # topk: top-k rows | hidden: final-norm hidden states (--output hidden servers)
     scoring: str = "auto"  # top-k rows by: device (opkd's packed route) | prompt_logprobs (OpenAI) | auto
 
@@ -77,6 +81,8 @@ class RemoteTeacherConfig:
             raise ValueError(f"teacher.output: expected 'topk' or 'hidden', got {self.output!r}")
         if self.scoring not in TEACHER_SCORINGS:
             raise ValueError(f"teacher.scoring: expected one of {TEACHER_SCORINGS}, got {self.scoring!r}")
+        if self.tokenizer_of not in ("student", "teacher"):
+            raise ValueError(f"tokenizer_of: expected 'student' or 'teacher', got {self.tokenizer_of!r}")
         if self.output == "hidden" and self.scoring != "auto":
             raise ValueError(f"teacher.scoring: {self.scoring!r} chooses how top-k rows are computed; a "
                              "teacher with output 'hidden' sends hidden states (leave it 'auto')")
@@ -316,6 +322,12 @@ class RemoteVllmTeacher(Teacher):
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self._accepts_token(mid) else (lo, mid)
+        if self.cfg.tokenizer_of == "teacher":
+            raise TeacherError(
+                f"teacher server {self.url}: its vocabulary has {hi} token ids, the teacher tokenizer the "
+                f"trainer re-tokenizes with (teacher.teachers.0.model) has {student} (ids up to "
+                f"{student - 1}, which the server refuses); serve the checkpoint whose tokenizer "
+                "teacher.teachers.0.model holds, or point teacher.teachers.0.model at the served checkpoint")
         raise TeacherError(
             f"teacher server {self.url}: its vocabulary has {hi} token ids, the student's has {student} "
             f"(student samples may use ids up to {student - 1}, which the server refuses); serve a "

@@ -127,24 +127,26 @@ def _check_servers(cfg: TrainConfig) -> list[str]:
         if t.backend != "remote":
             continue
         path = f"teacher.teachers.{i}"
-        if cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off":
+        across = cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off"
+        if across:
             student_vocab = load_tokenizer_info(f"{path}.model", t.model, {}).size
         urls = [(f"{path}.url", t.url)]
         urls += [(f"{path}.replica_urls.{j}", url) for j, url in enumerate(t.replica_urls)]
         for key, url in urls:
-            errors += _lines(_probe_server, path, key, url, t, cfg.rollout.max_model_len, student_vocab)
+            errors += _lines(_probe_server, path, key, url, t, cfg.rollout.max_model_len, student_vocab,
+                             "teacher" if across else "student")
     return errors
 
 
 def _probe_server(path: str, key: str, url: str, t: TeacherEndpoint, max_model_len: int,
-                  student_vocab: int | None) -> None:
+                  student_vocab: int | None, tokenizer_of: str = "student") -> None:
     """The server lists a model whose context holds the rollout's longest sequence, takes every id the
     student can emit, and returns `top_k` logprobs (or hidden states): the client's own first checks,
     made once, without retries."""
     output = "hidden" if teacher_output(t) == "hidden" else "topk"
     client = RemoteVllmTeacher(RemoteTeacherConfig(
         url=url, k=t.top_k, output=output, scoring=t.scoring, student_vocab_size=student_vocab,
-        timeout_s=PROBE_TIMEOUT_S, max_retries=0))
+        tokenizer_of=tokenizer_of, timeout_s=PROBE_TIMEOUT_S, max_retries=0))
     try:
         served = client.served_model()
         client.check_server()

@@ -81,10 +81,13 @@ def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, scoring=t.scoring,
             output="hidden" if teacher_output(t) == "hidden" else "topk"))
     if t.backend == "remote":
-        # the server is asked once whether it can score every id the student may sample
+        # the server is asked once whether it can score every id the student may sample (across
+        # tokenizers: every id of the teacher's tokenizer, which then writes what it is sent)
         output = "hidden" if teacher_output(t) == "hidden" else "topk"
+        across = cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off"
         return RemoteVllmTeacher(RemoteTeacherConfig(url=t.url, k=t.top_k, student_vocab_size=student_vocab,
-                                                     scoring=t.scoring, output=output))
+                                                     scoring=t.scoring, output=output,
+                                                     tokenizer_of="teacher" if across else "student"))
     if t.backend == "hf":
         dtype = TORCH_DTYPES["float32" if t.dtype == "auto" else t.dtype]
         # dense: raw logits; kd_loss applies loss.temperature to dense teacher logits itself
@@ -93,9 +96,12 @@ def _one_teacher(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None
                      "(a megatron teacher runs inside the student's step)")
 
 
+def _urls(t: TeacherEndpoint) -> list:
+    return [t.url, *t.replica_urls] if t.replica_urls else [t.url]
+
+
 def _replicas(t: TeacherEndpoint, cfg: TrainConfig, student_vocab: int | None, rollout=None) -> list:
-    urls = [t.url, *t.replica_urls] if t.replica_urls else [t.url]
-    return [_one_teacher(dataclasses.replace(t, url=url), cfg, student_vocab, rollout) for url in urls]
+    return [_one_teacher(dataclasses.replace(t, url=url), cfg, student_vocab, rollout) for url in _urls(t)]
 
 
 def build_scoring_teacher(cfg: TrainConfig, student_vocab: int | None = None, rollout=None):
@@ -128,6 +134,11 @@ def cross_tokenizer_scorer(cfg: TrainConfig) -> CrossTokenizerScorer:
         replicas = _replicas(t, cfg, len(teacher_tok))
         inner = replicas[0] if len(replicas) == 1 else TeacherRouter({t.name: replicas}, field="teacher",
                                                                      default=t.name)
+    where = ("in the student's step" if t.backend == "megatron" else
+             f"served at {', '.join(_urls(t))}" if t.backend == "remote" else "in this process")
+    logger.info("teacher %s across tokenizers (loss.cross_tokenizer: %s): %s teacher %s, its tokenizer "
+                "(%d ids) read from %s", t.name, cross_tokenizer_mode(cfg.loss.cross_tokenizer), t.backend,
+                where, len(teacher_tok), t.model)
     return CrossTokenizerScorer(inner, AutoTokenizer.from_pretrained(cfg.model.student), teacher_tok,
                                 chat_template=cfg.data.chat_template, name=t.name, k=cfg.loss.k,
                                 temperature=cfg.loss.temperature,
