@@ -534,6 +534,29 @@ def _check_rest(cfg: TrainConfig, check_files: bool) -> None:
     _check_checkpoint_cadence(cfg)
 
 
+def _check_context_parallel(cfg: TrainConfig) -> None:
+    """What CP > 1 shards per token: every loss row is one token of one CP rank, so the loss must be a
+    token mean and the teacher's rows must be one per student token. Transformer Engine is checked at
+    start-up, where the run's devices are known (`train/preflight.py`)."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    if cfg.parallel.pp != 1:
+        raise ConfigError(f"parallel.cp: context parallelism (cp={cp}) runs without pipeline stages here; "
+                          f"expected parallel.pp: 1, got {cfg.parallel.pp}")
+    if cfg.loss.aggregation != "token-mean":
+        raise ConfigError(f"loss.aggregation: with parallel.cp={cp} each rank holds pieces of every "
+                          f"sequence; expected token-mean, got {cfg.loss.aggregation!r}")
+    if cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off":
+        raise ConfigError(f"loss.cross_tokenizer: the span loss pairs whole sequences; expected off with "
+                          f"parallel.cp={cp}")
+    prompts = cfg.data.teacher_prompt_key or cfg.data.teacher_prompt_template
+    in_step = [i for i, t in enumerate(cfg.teacher.teachers) if runs_in_step(t)]
+    if prompts and in_step:
+        raise ConfigError(f"teacher.teachers.{in_step[0]}: an in-step teacher on teacher prompts packs "
+                          f"sequences of its own, which parallel.cp={cp} does not shard; use parallel.cp: 1")
+
+
 def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfig:
     """Raise `ConfigError` (a ValueError) naming the key path of the first impossible setting."""
     check_finite(cfg, "")
@@ -549,4 +572,5 @@ def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfi
     _check_loss(cfg, student_shape)
     check_cross_tokenizer(cfg, tokenizers)
     check_parallel(cfg, student_shape)
+    _check_context_parallel(cfg)
     return cfg

@@ -274,10 +274,7 @@ class MegatronEngine:
         if not with_teacher and any(mb.teacher_tokens is not None for mb in micro_batches):
             raise ValueError("micro_batches: they carry an in-step teacher's own packing (teacher_tokens), "
                              "but this engine has no teacher in its step")
-        # a teacher on its own packing shares the pipeline's one activation shape
-        seq_length = max(max(mb.num_tokens, 0 if mb.teacher_tokens is None else mb.teacher_tokens.num_tokens)
-                         for mb in micro_batches)
-        inputs = [pad_for_pipeline(mb, seq_length) if self.pipelined else mb for mb in micro_batches]
+        seq_length, inputs = self._model_inputs(micro_batches)
         # one iterator per VPP chunk: every chunk reads the same micro-batches in the same order
         iterators = [iter(list(zip(micro_batches, inputs))) for _ in self.model]
         model = self.model
@@ -291,6 +288,22 @@ class MegatronEngine:
             seq_length=seq_length, micro_batch_size=1,
             forward_only=forward_only, collect_non_loss_data=collect_logits,
         )
+
+    def _model_inputs(self, micro_batches: list[PackedBatch]) -> tuple[int, list[PackedBatch]]:
+        """(the pipeline's activation length, what the model reads of each micro-batch): padded to one
+        length for a pipeline, and to a multiple of TP with sequence parallelism (Megatron splits the
+        sequence evenly over the TP ranks); the outputs' padding rows are cut off before the loss."""
+        multiple = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        # a teacher on its own packing shares the pipeline's one activation shape
+        lengths = [max(mb.num_tokens, 0 if mb.teacher_tokens is None else mb.teacher_tokens.num_tokens)
+                   for mb in micro_batches]
+        seq_length = _round_up(max(lengths), multiple)
+        if self.pipelined:
+            return seq_length, [pad_for_pipeline(mb, seq_length) for mb in micro_batches]
+        if multiple > 1:
+            return seq_length, [pad_for_pipeline(mb, _round_up(n, multiple))
+                                for mb, n in zip(micro_batches, lengths)]
+        return seq_length, list(micro_batches)
 
     # ------------------------------------------------------------------ public
     def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn, *,
@@ -414,3 +427,7 @@ def _vocab_sizes(model_chunks, mask_vocab_padding: bool) -> tuple[int | None, in
         logger.warning("model_chunks carry no ModelLayout: padded vocabulary columns are not masked")
         return None, None
     return layout.vocab_size, layout.padded_vocab_size
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
