@@ -10,11 +10,12 @@ The rank's tokens are those two chunks of sequence 0, then of sequence 1, and so
 `shard_batch` gives each rank its `PackedBatch`: every per-token tensor (tokens, loss mask, sampler
 logprobs, advantages, teacher rows) sliced with the same indices, padding rows with no loss and no
 teacher (top-k ids -1), the next token of every row taken before the cut (a row's next token may sit
-on another rank), and a `CpLayout` that hands attention the whole packing: the real and the padded
-`cu_seqlens` (Megatron reads the padded ones for RoPE, so positions are those of the full sequence)
-and the longest padded sequence. The loss is per token, so each rank's loss over its rows, normalised
-by the step's global token count, adds up over the CP group (Megatron's DDP sums gradients over
-DP x CP) to the loss and gradients of CP=1. `gather_cp_rows` puts per-rank rows back in the batch's
+on another rank), and a `CpLayout` that hands attention the whole padded packing: `cu_seqlens` and
+`cu_seqlens_padded` both padded, as verl does (each sequence's padding comes after its tokens, so the
+causal mask keeps it out of every real token's attention), read by TE's attention and by Megatron's
+RoPE (positions are those of the full sequence), and the longest padded sequence. The loss is per
+token, so each rank's loss over its rows, normalised by the step's global token count, adds up over
+the CP group (Megatron's DDP sums gradients over DP x CP) to the loss and gradients of CP=1. `gather_cp_rows` puts per-rank rows back in the batch's
 order (a forward-only caller's logits).
 """
 from __future__ import annotations

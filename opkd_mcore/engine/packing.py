@@ -26,7 +26,8 @@ class CpLayout:
     """A context-parallel rank's view of the whole packing (`engine/context_parallel.py`): what attention
     and RoPE read of it, and where this rank's rows come from."""
 
-    cu_seqlens: torch.Tensor  # [B'+1] int32 real lengths of every sequence (B' >= B: an extra padding one)
+    # [B'+1] int32 real lengths (B' >= B: an extra padding sequence), to map rows back
+    cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor  # [B'+1] int32, each sequence padded to a multiple of 2*cp
     max_seqlen: int  # the longest padded sequence (RoPE's table and the attention kernel read it)
     cp: int
@@ -127,10 +128,14 @@ class PackedBatch:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         c = self.context
-        if c is not None:  # context parallel: the whole packing, real and padded (TE's THD + CP contract)
-            return PackedSeqParams(qkv_format="thd", cu_seqlens_q=c.cu_seqlens, cu_seqlens_kv=c.cu_seqlens,
-                                   cu_seqlens_q_padded=c.cu_seqlens_padded,
-                                   cu_seqlens_kv_padded=c.cu_seqlens_padded,
+        if c is not None:
+            # context parallel: the whole padded packing. The padding closes each sequence, so under the
+            # causal mask no real token attends to it; declared as padding instead, its output rows are
+            # not defined by TE (a row that is not finite, even outside the loss, turns the gradients NaN)
+            # and the FlashAttention backend is ruled out
+            cu = c.cu_seqlens_padded
+            return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                   cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                                    max_seqlen_q=c.max_seqlen, max_seqlen_kv=c.max_seqlen)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
