@@ -557,6 +557,16 @@ def _check_context_parallel(cfg: TrainConfig) -> None:
                           f"sequences of its own, which parallel.cp={cp} does not shard; use parallel.cp: 1")
 
 
+def _check_sequence_parallel(cfg: TrainConfig) -> None:
+    """Between pipeline stages an in-step teacher's hidden states travel in the student's p2p tensor,
+    whose sequence sequence parallelism splits over TP and the teacher's (without it) does not."""
+    in_step = [i for i, t in enumerate(cfg.teacher.teachers) if runs_in_step(t)]
+    if cfg.parallel.sequence_parallel and cfg.parallel.pp > 1 and in_step:
+        raise ConfigError(f"parallel.sequence_parallel: an in-step teacher (teacher.teachers.{in_step[0]}) "
+                          f"shares the student's pipeline tensors, which sequence parallelism splits; with "
+                          f"parallel.pp={cfg.parallel.pp} use sequence_parallel: false")
+
+
 def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfig:
     """Raise `ConfigError` (a ValueError) naming the key path of the first impossible setting."""
     check_finite(cfg, "")
@@ -573,4 +583,5 @@ def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfi
     check_cross_tokenizer(cfg, tokenizers)
     check_parallel(cfg, student_shape)
     _check_context_parallel(cfg)
+    _check_sequence_parallel(cfg)
     return cfg
