@@ -94,7 +94,9 @@ def _step(rank, world, name, dense, student_dir, teacher_dir):
         plan = resolve_loss_plan(loss, device="cuda", dtype=torch.bfloat16,
                                  teacher_kind="dense" if dense else "topk")
         tp_group = ps.get_tensor_model_parallel_group()
-        metrics = engine.train_step(batches, make_loss_fn(plan, counts, tp_group))
+        # the run's own loss path: on a GPU the fused LM head (an in-step teacher's hidden states)
+        loss_fn = make_loss_fn(plan, counts, tp_group)
+        metrics = engine.train_step(batches, loss_fn, fused_lm_head=plan.fused_lm_head)
         grads = None
         if layout.get("tp", 1) == 1:
             grads = {n: p.main_grad.float().cpu().numpy() for n, p in engine.model[0].named_parameters()}
