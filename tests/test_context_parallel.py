@@ -59,7 +59,8 @@ def _batch(seed=0):
     ids[::5, -1] = -1  # some padded top-k slots
     logprobs[::5, -1] = float("-inf")
     sampler = [[-0.5] * (n - p) for n, p in zip(LENGTHS, PROMPTS)]
-    return pack_sequences(seqs, PROMPTS, sampler_logprobs=sampler, teacher=TopKTeacher(ids=ids, logprobs=logprobs))
+    teacher = TopKTeacher(ids=ids, logprobs=logprobs)
+    return pack_sequences(seqs, PROMPTS, sampler_logprobs=sampler, teacher=teacher)
 
 
 @pytest.mark.parametrize("cp, multiple", [(2, 1), (4, 1), (2, 3)])

@@ -15,8 +15,8 @@ on another rank), and a `CpLayout` that hands attention the whole padded packing
 causal mask keeps it out of every real token's attention), read by TE's attention and by Megatron's
 RoPE (positions are those of the full sequence), and the longest padded sequence. The loss is per
 token, so each rank's loss over its rows, normalised by the step's global token count, adds up over
-the CP group (Megatron's DDP sums gradients over DP x CP) to the loss and gradients of CP=1. `gather_cp_rows` puts per-rank rows back in the batch's
-order (a forward-only caller's logits).
+the CP group (Megatron's DDP sums gradients over DP x CP) to the loss and gradients of CP=1.
+`gather_cp_rows` puts per-rank rows back in the batch's order (a forward-only caller's logits).
 """
 from __future__ import annotations
 
