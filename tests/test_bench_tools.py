@@ -153,3 +153,21 @@ def test_bench_step_reuses_its_actors_across_schedules(tmp_path):
         assert all(s["timing/weight_sync"] > 0 for s in r["per_step"]), schedule
     rows = [line.split("|")[0].strip() for line in proc.stdout.splitlines() if "|" in line]
     assert rows == ["schedule", "sync", "one_step_off"]
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--cp", "2"], 1, "--tp 1 x --cp 2 does not divide the 1 ranks"),
+    (["--tp", "1", "--sequence-parallel"], 2, "--sequence-parallel: needs tp > 1"),
+    (["--cp", "2"], 2, "need Transformer Engine on a GPU"),
+    (["--impls", "fused,triton"], 1, "--impls: expected fused and/or reference"),
+])
+def test_bench_train_step_refuses_a_layout_that_cannot_run_before_any_group_forms(argv, world, message,
+                                                                                   monkeypatch):
+    from opkd_mcore.models import builder
+    from tools import bench_train_step
+
+    monkeypatch.setattr(builder, "transformer_engine_usable", lambda device=None: False)  # as on any CPU
+
+    with pytest.raises(SystemExit, match=message):
+        bench_train_step.check_layout(bench_train_step.parse_args(argv), world)
+    assert bench_train_step.check_layout(bench_train_step.parse_args(["--cp", "1"]), 4) == 4

@@ -228,8 +228,15 @@ def test_optim_config_rejects_non_finite(name, value):
 
 
 @pytest.mark.parametrize("overrides, key_path, fragment", [
-    (["parallel.cp=2"], "parallel.cp", "context parallelism"),
-    (["parallel.cp=0"], "parallel.cp", "expected 1"),
+    (["parallel.cp=0"], "parallel.cp", "> 0"),
+    (["parallel.cp=2", "parallel.pp=2", "parallel.world_size=4"], "parallel.cp", "without pipeline stages"),
+    (["parallel.cp=2", "parallel.world_size=2", "loss.aggregation=seq-mean-token-mean"], "loss.aggregation",
+     "expected token-mean"),
+    (["parallel.recompute=block"], "parallel.recompute", "expected one of ['none', 'selective', 'full']"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "tp > 1"),
+    (["parallel.sequence_parallel=true", "parallel.tp=2", "parallel.pp=2", "parallel.world_size=4",
+      "teacher.teachers.0.backend=megatron", "loss.support=null"], "parallel.sequence_parallel",
+     "in-step teacher"),
     (["parallel.ep=2"], "parallel.ep", "MoE"),
     (["parallel.world_size=0"], "parallel.world_size", "> 0"),
     (["parallel.world_size=-2"], "parallel.world_size", "> 0"),

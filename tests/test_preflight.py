@@ -95,6 +95,24 @@ def test_layout_the_bridge_refuses_is_named(tmp_path, models):
     assert "model.student" in line
 
 
+def test_context_and_sequence_parallel_without_transformer_engine_name_the_key_and_te(tmp_path, models):
+    """On CPU the local layer spec runs: neither CP nor sequence parallelism exists there."""
+    student = hf_checkpoint(tmp_path, "two_kv_heads", num_attention_heads=4, num_key_value_heads=2)
+    teacher = {"backend": "hf", "model": models["teacher"], "top_k": 8}
+    path = write_config(tmp_path, models, f"model.student={student}", "parallel.cp=2", "parallel.tp=2",
+                        "parallel.sequence_parallel=true", "parallel.world_size=4", "run.device=cpu",
+                        teacher=teacher)
+    cp, sp = preflight_errors(path)
+    assert cp.startswith("parallel.cp: 2 needs Transformer Engine") and "the device is the CPU" in cp
+    assert sp.startswith("parallel.sequence_parallel: needs Transformer Engine")
+
+
+def test_recompute_modes_pass_the_checks(tmp_path, models):
+    for mode in ("none", "selective", "full"):
+        path = write_config(tmp_path, models, f"parallel.recompute={mode}")
+        preflight(load_config(path), probe_servers=False)
+
+
 def test_max_model_len_beyond_the_students_positions_is_refused(tmp_path, models):
     with pytest.raises(ConfigError, match=r"^rollout.max_model_len: 256 exceeds the max_position_embeddings "
                                           r"128 of model.student"):

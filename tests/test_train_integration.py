@@ -310,6 +310,8 @@ DEFAULT_FUSED = "triton" if torch.cuda.is_available() else "cpp"
     # the fused LM head's rows engine (gradients in the forward) through the entry point, on the
     # student and the in-step teacher's hidden states: the same losses as materialised logits
     ("tp1-rows", 1, ("loss.fused_lm_head=on", "loss.lm_head_engine=rows")),
+    # activation recompute through the entry point: the same losses
+    ("tp1-recompute", 1, ("parallel.recompute=selective",)),
 ])
 def test_megatron_teacher_matches_hf_teacher(models, hf_dense_losses, name, nproc, overrides):
     require_devices(nproc)

@@ -12,9 +12,9 @@ import json
 import logging
 import os
 
-from opkd_mcore.config.checks import positive
+from opkd_mcore.config.checks import choice, positive
 from opkd_mcore.config.errors import ConfigError
-from opkd_mcore.config.schema import TrainConfig
+from opkd_mcore.config.schema import RECOMPUTE_MODES, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -157,10 +157,11 @@ def check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
     par = cfg.parallel
     for name in ("tp", "pp", "micro_batch_size", "global_batch_size"):
         positive(f"parallel.{name}", getattr(par, name))
-    if par.cp != 1:
-        raise ConfigError(f"parallel.cp: expected 1, got {par.cp}: the student's SDPA core attention "
-                          "(opkd_mcore/platform/sdpa_attention.py) does not support context "
-                          "parallelism")
+    positive("parallel.cp", par.cp)
+    choice("parallel.recompute", par.recompute, RECOMPUTE_MODES)
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError("parallel.sequence_parallel: needs parallel.tp > 1 (it splits the sequence over "
+                          "the tensor-parallel ranks), got tp=1")
     check_expert_parallel(cfg, shape)
     if par.world_size is not None:
         positive("parallel.world_size", par.world_size)

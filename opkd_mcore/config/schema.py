@@ -43,6 +43,7 @@ MISSING_TEACHER_PROMPT_POLICIES = ("error", "skip")  # data.missing_teacher_prom
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BUILTIN_REWARDS = ("exact_match",)  # data.rewards values besides "module:function"
 SEED_MAX = 2**31 - 1  # seeds reach numpy (32-bit) after Megatron and vLLM add rank/step offsets
+RECOMPUTE_MODES = ("none", "selective", "full")  # parallel.recompute
 
 
 @dataclass(kw_only=True)
@@ -66,7 +67,9 @@ class ParallelSection:
     vpp: int | None = None
     """virtual pipeline chunks per stage; None = off (needs pp > 1)"""
     cp: int = 1
-    """context parallel size; must be 1: the SDPA core attention has no CP"""
+    """context parallel size: each packed sequence is cut into 2*cp chunks and rank r of the CP group takes
+    chunks r and 2*cp-1-r (load balance under the causal mask); > 1 needs Transformer Engine (its attention
+    does the CP exchange), pp = 1 and loss.aggregation token-mean"""
     ep: int = 1
     """expert parallel size: MoE students only, must divide the number of experts"""
     etp: int | None = None
@@ -81,6 +84,14 @@ class ParallelSection:
     """sequences per optimizer step over all DP ranks"""
     world_size: int | None = None
     """ranks the run expects; None = the launcher's WORLD_SIZE (or 1)"""
+    recompute: str = "none"
+    """activation recompute of the student in backward: none | selective (the core attention of every
+    layer, Megatron's default selective module) | full (each layer's whole forward: Megatron's uniform
+    method, one layer per group); less memory for more time; an in-step teacher runs no backward and
+    never recomputes"""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism for the student: norms and residuals split along the sequence over
+    the TP ranks (activation memory / tp); needs Transformer Engine and tp > 1"""
 
 
 @dataclass(kw_only=True)

@@ -538,6 +538,39 @@ def _check_rest(cfg: TrainConfig, check_files: bool) -> None:
     _check_checkpoint_cadence(cfg)
 
 
+def _check_context_parallel(cfg: TrainConfig) -> None:
+    """What CP > 1 shards per token: every loss row is one token of one CP rank, so the loss must be a
+    token mean and the teacher's rows must be one per student token. Transformer Engine is checked at
+    start-up, where the run's devices are known (`train/preflight.py`)."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    if cfg.parallel.pp != 1:
+        raise ConfigError(f"parallel.cp: context parallelism (cp={cp}) runs without pipeline stages here; "
+                          f"expected parallel.pp: 1, got {cfg.parallel.pp}")
+    if cfg.loss.aggregation != "token-mean":
+        raise ConfigError(f"loss.aggregation: with parallel.cp={cp} each rank holds pieces of every "
+                          f"sequence; expected token-mean, got {cfg.loss.aggregation!r}")
+    if cross_tokenizer_mode(cfg.loss.cross_tokenizer) != "off":
+        raise ConfigError(f"loss.cross_tokenizer: the span loss pairs whole sequences; expected off with "
+                          f"parallel.cp={cp}")
+    prompts = cfg.data.teacher_prompt_key or cfg.data.teacher_prompt_template
+    in_step = [i for i, t in enumerate(cfg.teacher.teachers) if runs_in_step(t)]
+    if prompts and in_step:
+        raise ConfigError(f"teacher.teachers.{in_step[0]}: an in-step teacher on teacher prompts packs "
+                          f"sequences of its own, which parallel.cp={cp} does not shard; use parallel.cp: 1")
+
+
+def _check_sequence_parallel(cfg: TrainConfig) -> None:
+    """Between pipeline stages an in-step teacher's hidden states travel in the student's p2p tensor,
+    whose sequence sequence parallelism splits over TP and the teacher's (without it) does not."""
+    in_step = [i for i, t in enumerate(cfg.teacher.teachers) if runs_in_step(t)]
+    if cfg.parallel.sequence_parallel and cfg.parallel.pp > 1 and in_step:
+        raise ConfigError(f"parallel.sequence_parallel: an in-step teacher (teacher.teachers.{in_step[0]}) "
+                          f"shares the student's pipeline tensors, which sequence parallelism splits; with "
+                          f"parallel.pp={cfg.parallel.pp} use sequence_parallel: false")
+
+
 def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfig:
     """Raise `ConfigError` (a ValueError) naming the key path of the first impossible setting."""
     check_finite(cfg, "")
@@ -553,4 +586,6 @@ def validate_config(cfg: TrainConfig, *, check_files: bool = True) -> TrainConfi
     _check_loss(cfg, student_shape)
     check_cross_tokenizer(cfg, tokenizers)
     check_parallel(cfg, student_shape)
+    _check_context_parallel(cfg)
+    _check_sequence_parallel(cfg)
     return cfg

@@ -39,6 +39,7 @@ from opkd_kernels.linear_kd_common import PAD_LOGIT
 from opkd_mcore import platform
 from opkd_mcore.config.schema import OptimSection
 from opkd_mcore.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from opkd_mcore.engine.context_parallel import gather_cp_rows, shard_batch
 from opkd_mcore.engine.lm_head import LmHeadInput, gpt_model, hidden_output, hidden_rows, output_weight
 from opkd_mcore.engine.moe_stats import MoeStepStats
 from opkd_mcore.engine.optim import build_optimizer, clip_and_step, ddp_config
@@ -88,6 +89,10 @@ class MegatronEngine:
         # interleaved schedule and costs a round trip per micro-batch in the others).
         self.config.variable_seq_lengths = False
         self.pipelined = self.config.pipeline_model_parallel_size > 1
+        self.cp = self.config.context_parallel_size
+        if self.cp > 1 and self.pipelined:
+            raise ValueError(f"model_chunks: context parallelism (cp={self.cp}) runs without pipeline stages "
+                             f"here, got pp={self.config.pipeline_model_parallel_size}")
         if optim is None:
             self.model = list(model_chunks)
             for chunk in self.model:
@@ -274,10 +279,8 @@ class MegatronEngine:
         if not with_teacher and any(mb.teacher_tokens is not None for mb in micro_batches):
             raise ValueError("micro_batches: they carry an in-step teacher's own packing (teacher_tokens), "
                              "but this engine has no teacher in its step")
-        # a teacher on its own packing shares the pipeline's one activation shape
-        seq_length = max(max(mb.num_tokens, 0 if mb.teacher_tokens is None else mb.teacher_tokens.num_tokens)
-                         for mb in micro_batches)
-        inputs = [pad_for_pipeline(mb, seq_length) if self.pipelined else mb for mb in micro_batches]
+        micro_batches = self._shard(micro_batches)
+        seq_length, inputs = self._model_inputs(micro_batches)
         # one iterator per VPP chunk: every chunk reads the same micro-batches in the same order
         iterators = [iter(list(zip(micro_batches, inputs))) for _ in self.model]
         model = self.model
@@ -291,6 +294,34 @@ class MegatronEngine:
             seq_length=seq_length, micro_batch_size=1,
             forward_only=forward_only, collect_non_loss_data=collect_logits,
         )
+
+    def _shard(self, micro_batches: list[PackedBatch]) -> list[PackedBatch]:
+        """With context parallelism, this CP rank's share of each micro-batch (`engine/context_parallel.py`:
+        load-balanced chunks of every sequence, per-token rows sliced alike); else the batches as given."""
+        if self.cp == 1:
+            return list(micro_batches)
+        from megatron.core import parallel_state as ps
+
+        multiple = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        rank = ps.get_context_parallel_rank()
+        return [mb if mb.context is not None else shard_batch(mb.to("cpu"), self.cp, rank, multiple)
+                for mb in micro_batches]
+
+    def _model_inputs(self, micro_batches: list[PackedBatch]) -> tuple[int, list[PackedBatch]]:
+        """(the pipeline's activation length, what the model reads of each micro-batch): padded to one
+        length for a pipeline, and to a multiple of TP with sequence parallelism (Megatron splits the
+        sequence evenly over the TP ranks); the outputs' padding rows are cut off before the loss."""
+        multiple = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        # a teacher on its own packing shares the pipeline's one activation shape
+        lengths = [max(mb.num_tokens, 0 if mb.teacher_tokens is None else mb.teacher_tokens.num_tokens)
+                   for mb in micro_batches]
+        seq_length = _round_up(max(lengths), multiple)
+        if self.pipelined:
+            return seq_length, [pad_for_pipeline(mb, seq_length) for mb in micro_batches]
+        if multiple > 1:  # a CP rank's share is a multiple already (`_shard`)
+            return seq_length, [mb if n % multiple == 0 else pad_for_pipeline(mb, _round_up(n, multiple))
+                                for mb, n in zip(micro_batches, lengths)]
+        return seq_length, list(micro_batches)
 
     # ------------------------------------------------------------------ public
     def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn, *,
@@ -357,9 +388,12 @@ class MegatronEngine:
     @torch.no_grad()
     def forward_logits_many(self, batches: list[PackedBatch]) -> list[torch.Tensor | None]:
         """`forward_logits` for several batches in one pipeline pass (one micro-batch each)."""
+        from megatron.core import parallel_state as ps
+
         was_training = [chunk.training for chunk in self.model]
         for chunk in self.model:
             chunk.eval()
+        batches = self._shard(batches)
         try:
             outputs = self._run_schedule(batches, None, forward_only=True, collect_logits=True)
         finally:
@@ -367,6 +401,9 @@ class MegatronEngine:
                 chunk.train(mode)
         if not self.is_last_stage:
             return [None] * len(batches)
+        if self.cp > 1:  # every CP rank's rows, back in the batch's order
+            group = ps.get_context_parallel_group()
+            return [gather_cp_rows(out, mb.context, group) for out, mb in zip(outputs, batches)]
         return list(outputs)
 
     def _reduce_metrics(self, per_micro_batch: list[dict]) -> dict[str, float]:
@@ -414,3 +451,7 @@ def _vocab_sizes(model_chunks, mask_vocab_padding: bool) -> tuple[int | None, in
         logger.warning("model_chunks carry no ModelLayout: padded vocabulary columns are not masked")
         return None, None
     return layout.vocab_size, layout.padded_vocab_size
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

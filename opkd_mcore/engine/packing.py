@@ -22,6 +22,24 @@ from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, TopKT
 
 
 @dataclass
+class CpLayout:
+    """A context-parallel rank's view of the whole packing (`engine/context_parallel.py`): what attention
+    and RoPE read of it, and where this rank's rows come from."""
+
+    # [B'+1] int32 real lengths (B' >= B: an extra padding sequence), to map rows back
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor  # [B'+1] int32, each sequence padded to a multiple of 2*cp
+    max_seqlen: int  # the longest padded sequence (RoPE's table and the attention kernel read it)
+    cp: int
+    rank: int
+    num_sequences: int  # B, the batch's own sequences
+    total_multiple: int  # every rank's token count is a multiple of it (TP with sequence parallelism)
+    source: torch.Tensor  # [T_local] int64 row of the unsharded batch, -1 for padding
+    positions: torch.Tensor  # [T_local] int64 position in the (padded) full sequence
+    local_lengths: list[int]  # tokens of each padded sequence on every rank
+
+
+@dataclass
 class PackedBatch:
     """B sequences packed into T tokens (no padding between them)."""
 
@@ -39,6 +57,10 @@ class PackedBatch:
     # none; across tokenizers the span index of `teacher` pairs them instead)
     teacher_tokens: PackedBatch | None = None
     teacher_index: torch.Tensor | None = None  # [T] int64
+    # a context-parallel rank's share of a batch (`engine/context_parallel.py`): token t+1 of each row
+    # (it may sit on another rank) and the whole packing as attention reads it
+    next_tokens: torch.Tensor | None = None  # [T] int64
+    context: CpLayout | None = None
     meta: dict = field(default_factory=dict)  # free-form bookkeeping (never read by the engine)
     # longest sequence, read once at construction: Megatron wants a host int per micro-batch, and
     # reading it from device tensors there would stall the pipeline
@@ -75,7 +97,7 @@ class PackedBatch:
         if t.dim() != 1 or t.dtype != torch.int64:
             raise ValueError(f"tokens: expected a 1-D int64 tensor [T], got {tuple(t.shape)} {t.dtype}")
         n = t.numel()
-        for name in ("position_ids", "loss_mask", "sampler_logprobs", "task_advantages"):
+        for name in ("position_ids", "loss_mask", "sampler_logprobs", "task_advantages", "next_tokens"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (n,):
                 raise ValueError(f"{name}: expected shape ({n},) like tokens, got {tuple(value.shape)}")
@@ -105,6 +127,16 @@ class PackedBatch:
         """Megatron's description of the packing (THD format, one entry per sequence)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        c = self.context
+        if c is not None:
+            # context parallel: the whole padded packing. The padding closes each sequence, so under the
+            # causal mask no real token attends to it; declared as padding instead, its output rows are
+            # not defined by TE (a row that is not finite, even outside the loss, turns the gradients NaN)
+            # and the FlashAttention backend is ruled out
+            cu = c.cu_seqlens_padded
+            return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                   cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                                   max_seqlen_q=c.max_seqlen, max_seqlen_kv=c.max_seqlen)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
@@ -115,7 +147,7 @@ class PackedBatch:
                 return x.to(device, non_blocking=True)
             if isinstance(x, PackedBatch):
                 return x.to(device)
-            if isinstance(x, (DenseTeacher, TopKTeacher, HiddenTeacher, CrossTokenizerTeacher, SpanIndex)):
+            if isinstance(x, _ROW_HOLDERS):
                 return dataclasses.replace(x, **{f.name: move(getattr(x, f.name))
                                                  for f in dataclasses.fields(x)})
             return x
@@ -126,6 +158,9 @@ class PackedBatch:
             if f.name != "meta":
                 setattr(moved, f.name, move(getattr(self, f.name)))
         return moved
+
+
+_ROW_HOLDERS = (DenseTeacher, TopKTeacher, HiddenTeacher, CrossTokenizerTeacher, SpanIndex, CpLayout)
 
 
 def _teacher_rows(teacher) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opkd_mcore.config.schema import RECOMPUTE_MODES
 from opkd_mcore.models.bridge import ModelBridge, get_bridge, hf_inv_freq
 from opkd_mcore.platform import current_device, is_cpu, megatron_thd_rope
 from opkd_mcore.platform.megatron_moe import prepare_megatron_moe
@@ -79,8 +80,12 @@ class ModelLayout:
         return (layer // (self.num_layers // chunks)) % self.pp
 
 
-def _use_transformer_engine() -> bool:
-    return not is_cpu() and importlib.util.find_spec("transformer_engine") is not None
+def _use_transformer_engine(device: str | None = None) -> bool:
+    """Whether models built on `device` (default: this process's) get the Transformer Engine spec."""
+    return not is_cpu(device) and importlib.util.find_spec("transformer_engine") is not None
+
+
+transformer_engine_usable = _use_transformer_engine
 
 
 def layer_spec(bridge: ModelBridge, use_te: bool | None = None):
@@ -136,6 +141,19 @@ def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, **overrid
     return TransformerConfig(**kwargs)
 
 
+def memory_overrides(recompute: str = "none", sequence_parallel: bool = False) -> dict:
+    """`TransformerConfig` fields for `parallel.recompute` and `parallel.sequence_parallel`, for the
+    student only: a teacher runs no backward, so it has no activations to recompute."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute: expected one of {list(RECOMPUTE_MODES)}, got {recompute!r}")
+    overrides = {"sequence_parallel": True} if sequence_parallel else {}
+    if recompute == "selective":  # Megatron's default selective module: the core attention
+        overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif recompute == "full":  # every layer's input kept, its forward run again in backward
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return overrides
+
+
 def default_params_dtype() -> torch.dtype:
     return torch.float32 if is_cpu() else torch.bfloat16
 
@@ -164,6 +182,10 @@ def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
     if config_overrides.get("sequence_parallel") and not use_te:
         raise ValueError("sequence_parallel: needs the Transformer Engine layer spec; the local "
                          "spec's torch norms do not support it")
+    if ps.get_context_parallel_world_size() > 1 and not use_te:
+        raise ValueError(f"context_parallel_size: {ps.get_context_parallel_world_size()} needs the "
+                         "Transformer Engine layer spec (parallel.cp > 1); the local spec's SDPA attention "
+                         "has no CP")
     config = transformer_config(bridge, dtype, **config_overrides)
     spec = layer_spec(bridge, use_te)
     padded = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)

@@ -182,8 +182,9 @@ def _top1_agreement(teacher_logits_local: torch.Tensor, batch: PackedBatch, tp_g
 
 
 def _next_tokens(batch: PackedBatch) -> torch.Tensor:
-    """Token t+1 for every row t (the last row's value is never counted: its loss mask is 0)."""
-    return torch.roll(batch.tokens, -1)
+    """Token t+1 for every row t (the last row's value is never counted: its loss mask is 0); a
+    context-parallel rank's rows carry theirs (the next token may sit on another rank)."""
+    return torch.roll(batch.tokens, -1) if batch.next_tokens is None else batch.next_tokens
 
 
 def _policy_gradient(logits, batch, loss: LossSection):

@@ -15,6 +15,8 @@ from opkd_mcore.config.loss_rules import cross_tokenizer_mode, teacher_output
 from opkd_mcore.config.model_checks import TOKENIZER_FILES, load_tokenizer_info, model_shape
 from opkd_mcore.config.schema import ParallelSection, TeacherEndpoint, TrainConfig
 from opkd_mcore.models import get_bridge, load_hf_config
+from opkd_mcore.models.builder import transformer_engine_usable
+from opkd_mcore.platform import is_cpu
 from opkd_mcore.teacher.base import TeacherError
 from opkd_mcore.teacher.remote import MaxLogprobsError, RemoteTeacherConfig, RemoteVllmTeacher
 from opkd_mcore.train.checkpoint import check_run_dir
@@ -39,7 +41,7 @@ def preflight(cfg: TrainConfig, *, resume: bool = False, export_only: bool = Fal
     its engines started. `probe_servers`: ask each remote teacher server for its model and limits.
     `check_prompts`: read, check and tokenize the prompts (`--check`; a run does it first thing when it
     builds its parts, before any engine, so it is not done twice)."""
-    errors = _check_models(cfg)
+    errors = _check_models(cfg) + _lines(_check_transformer_engine, cfg)
     tokenizer = _lines(_check_student_tokenizer, cfg.model.student)
     errors += tokenizer
     if check_prompts and not tokenizer:  # the prompts are measured with the student's tokenizer
@@ -75,6 +77,24 @@ def _check_models(cfg: TrainConfig) -> list[str]:
     for key, model in megatron:
         errors += _lines(_check_bridge, key, model, cfg.parallel)
     return errors
+
+
+def _check_transformer_engine(cfg: TrainConfig) -> None:
+    """CP and sequence parallelism exist only in Transformer Engine's layers; without TE (any CPU, or
+    a GPU without the package) the student gets the local spec, which has neither."""
+    if transformer_engine_usable(cfg.run.device):
+        return
+    where = ("the device is the CPU" if is_cpu(cfg.run.device)
+             else "the transformer_engine package is not installed")
+    lines = []
+    if cfg.parallel.cp > 1:
+        lines.append(f"parallel.cp: {cfg.parallel.cp} needs Transformer Engine (its attention exchanges "
+                     f"keys and values between the CP ranks), but {where}; use parallel.cp: 1")
+    if cfg.parallel.sequence_parallel:
+        lines.append(f"parallel.sequence_parallel: needs Transformer Engine (the local layers' norms do "
+                     f"not split the sequence), but {where}; use parallel.sequence_parallel: false")
+    if lines:
+        raise PreflightError(lines)
 
 
 def _check_bridge(key: str, model: str, par: ParallelSection) -> None:
