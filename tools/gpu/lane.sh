@@ -40,6 +40,7 @@
 #   bash tools/gpu/lane.sh moe1           # the MoE student at EP=1 on 1 GPU (fewer layers)
 #   bash tools/gpu/lane.sh rollout        # one rollout engine: in-process vs in a Ray actor, sleep on/off
 #   bash tools/gpu/lane.sh rollout_graphs # the same engine in-process with CUDA graphs (enforce_eager=false)
+#   bash tools/gpu/lane.sh teacher_device # in-process teacher: prompt_logprobs vs device top-k vs hidden
 #   bash tools/gpu/lane.sh teacher_hidden # a served teacher: top-64 rows vs hidden states, bytes and tokens/s
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -241,6 +242,12 @@ case "${1:-}" in
     python3 tools/bench_rollout.py --model /tmp/models/qwen3-0.6b --modes inprocess,inprocess_sleep --cuda-graphs \
         --json "$OUT/bench_rollout_graphs.json" --results "$OUT/results.jsonl" "${@:2}" > "$OUT/bench_rollout_graphs.log" 2>&1
     grep -E "^\||per call" "$OUT/bench_rollout_graphs.log" || tail -20 "$OUT/bench_rollout_graphs.log" ;;
+  teacher_device)  # the in-process teacher's stage on the GPU step's tokens (128 x 268, 1.7B, top-64):
+                   # prompt_logprobs vs top-k on the device vs hidden states, one engine at a time
+    python3 tools/bench_teacher.py --model /tmp/models/qwen3-1.7b --dtype bfloat16 --ks 64 --num-seqs 128 \
+        --seq-len 268 --skip-remote --gpu-memory-utilization 0.3 --out "$OUT/bench_teacher_device.json" \
+        --results "$OUT/results.jsonl" > "$OUT/bench_teacher_device.log" 2>&1
+    tail -8 "$OUT/bench_teacher_device.log" ;;
   teacher_hidden)  # a served teacher: top-64 rows vs final-norm hidden states (exact dense KD), needs `models`
     python3 tools/bench_teacher.py --model /tmp/models/qwen3-1.7b --ks 64 --hidden --skip-inprocess \
         --out "$OUT/bench_teacher_hidden.json" --results "$OUT/results.jsonl" > "$OUT/bench_teacher_hidden.log" 2>&1
