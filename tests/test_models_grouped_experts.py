@@ -11,8 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opkd_mcore.models.grouped_experts import ExpertsChoice, resolve_experts
+from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
+from opkd_mcore.models.bridge import get_bridge
+from opkd_mcore.models.convert import load_mcore_model, save_mcore_checkpoint
+from opkd_mcore.models.grouped_experts import ExpertsChoice, TorchGroupedMLP, resolve_experts
 from opkd_mcore.models.moe_bridge import expert_param_name, expert_rule_name, local_expert_slot
+from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model, tiny_hf_config
+from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
+from tests.test_models_moe import BATCH, SEQ_LEN, _export_mismatches, moe_shape
+from tests.test_models_parity import hf_logits, pipeline_logits
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -38,9 +45,6 @@ def test_stacked_names_map_to_every_expert():
 
 def test_te_names_follow_the_hf_experts_of_each_ep_rank():
     """TE's weight{i} of EP rank r maps to HF expert r * E_local + i, and back."""
-    from opkd_mcore.models.bridge import get_bridge
-    from opkd_mcore.models.tiny import TinyModelShape, tiny_hf_config
-
     bridge = get_bridge(tiny_hf_config("mixtral", TinyModelShape()))
     rules = {r.megatron: r for r in bridge.layer_rules()}
     e_local = bridge.num_experts // 2
@@ -54,6 +58,7 @@ def test_te_names_follow_the_hf_experts_of_each_ep_rank():
             assert bridge.expert_of(hf[0]) == e and e // e_local == ep_rank
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the decisions of a CPU machine")
 def test_decision_on_cpu():
     auto = resolve_experts("auto", torch.float32, 64, 64)
     assert auto == ExpertsChoice("torch_grouped", auto.reason) and "torch._grouped_mm" in auto.reason
@@ -74,7 +79,6 @@ def test_decision_on_cpu():
 # ----------------------------------------------------------------------------- one rank
 @pytest.fixture
 def one_rank():
-    from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
 
     init_parallel(ParallelConfig(seed=3))
     yield
@@ -85,11 +89,10 @@ def _experts_pair(num_experts=4, hidden=32, ffn=48):
     """(SequentialMLP, TorchGroupedMLP) of one config, the grouped one holding the same weights."""
     import torch.nn.functional as F
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
 
-    from opkd_mcore.models.grouped_experts import TorchGroupedMLP
 
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
                                ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, num_moe_experts=num_experts,
@@ -144,3 +147,61 @@ def test_expert_parameters_carry_megatron_attributes(one_rank):
     for param, dim in ((grouped.fc1_weight, 1), (grouped.fc2_weight, 2)):
         assert param.tensor_model_parallel and param.partition_dim == dim
         assert param.allreduce is True  # ep = 1: reduced over the whole DP group, as SequentialMLP's
+
+
+# ----------------------------------------------------------------------------- whole models, one rank
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+
+    root = tmp_path_factory.mktemp("hf_grouped")
+    return {f: save_tiny_hf_model(str(root / f), f, moe_shape(f), seed=5) for f in FAMILIES}
+
+
+def _student(hf_dir: str, moe_experts: str):
+
+    chunks = build_model(load_hf_config(hf_dir), moe_experts=moe_experts)
+    load_hf_weights(chunks, hf_dir)
+    return chunks
+
+
+def _experts_module(chunks):
+    return chunks[0].decoder.layers[0].mlp.experts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_student_gives_hf_logits_and_exports_the_checkpoint(one_rank, ckpts, family):
+
+    chunks = _student(ckpts[family], "torch_grouped")
+    assert isinstance(_experts_module(chunks), TorchGroupedMLP)
+    vocab = chunks[0].opkd_layout.vocab_size
+    tokens = torch.randint(0, vocab, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(7))
+    chunks[0].eval()
+    with torch.no_grad():
+        logits = pipeline_logits(chunks, tokens)[..., :vocab]
+    torch.testing.assert_close(logits, hf_logits(ckpts[family], tokens), rtol=1e-4, atol=1e-4)
+    assert _export_mismatches(chunks, ckpts[family]) == []  # every HF tensor, bit for bit
+
+
+def test_dist_checkpoint_moves_between_sequential_and_grouped(one_rank, ckpts, tmp_path):
+    """A checkpoint of grouped experts loads into SequentialMLP (same keys, same tensors) and back."""
+    hf_dir = ckpts["qwen2_moe"]
+    grouped = _student(hf_dir, "torch_grouped")
+    with torch.no_grad():  # weights that differ from the HF ones, so a load that does nothing fails
+        for p in grouped[0].parameters():
+            p.add_(0.25 * torch.randn_like(p))
+    save_mcore_checkpoint(grouped, str(tmp_path / "g"))
+    sequential = _student(hf_dir, "sequential")
+    load_mcore_model(sequential, str(tmp_path / "g"))
+    g_exp, s_exp = _experts_module(grouped), _experts_module(sequential)
+    for i, expert in enumerate(s_exp.local_experts):
+        assert torch.equal(expert.linear_fc1.weight, g_exp.fc1_weight[i])
+        assert torch.equal(expert.linear_fc2.weight, g_exp.fc2_weight[i])
+    save_mcore_checkpoint(sequential, str(tmp_path / "s"))
+    again = _student(hf_dir, "torch_grouped")
+    load_mcore_model(again, str(tmp_path / "s"))
+    for a, b in zip(again[0].state_dict().values(), grouped[0].state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)

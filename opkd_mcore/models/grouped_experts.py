@@ -140,6 +140,7 @@ class TorchGroupedMLP(torch.nn.Module):
                                         partition_dim=1, init=config.init_method)
         self.fc2_weight = _expert_param(config, (num_local_experts, hidden, ffn // etp),
                                         partition_dim=2, init=config.output_layer_init_method)
+        self.register_load_state_dict_post_hook(_drop_extra_states)
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         probs = probs.unsqueeze(-1)
@@ -169,10 +170,42 @@ class TorchGroupedMLP(torch.nn.Module):
         if (metadata or {}).get("singleton_local_shards", False):
             raise ValueError("model.moe_experts: torch_grouped checkpoints use the global expert layout; "
                              "singleton_local_shards is not supported")
-        # the checkpoint keys of SequentialMLP (`{prefix}experts.linear_fc1.weight`): interchangeable
-        return {f"{prefix}{name}": _stacked_expert_factory(self, f"{prefix}experts.{ckpt}", name,
-                                                           sharded_offsets)
-                for name, ckpt in (("fc1_weight", "linear_fc1.weight"), ("fc2_weight", "linear_fc2.weight"))}
+        # SequentialMLP's checkpoint keys and tensors (`{prefix}experts.linear_fc1.weight`, one global
+        # [E, ...] tensor per layer), and its linears' empty extra states, so that either module
+        # loads the other's checkpoint
+        out = {f"{prefix}{name}": _stacked_expert_factory(self, f"{prefix}experts.{linear}.weight", name,
+                                                          sharded_offsets)
+               for name, linear in (("fc1_weight", "linear_fc1"), ("fc2_weight", "linear_fc2"))}
+        out.update(_sequential_extra_states(self, prefix, sharded_offsets))
+        return out
+
+
+def _drop_extra_states(module, incompatible_keys) -> None:
+    """Load post-hook: the `SequentialMLP` extra states of `sharded_state_dict` (always None) come
+    back from a checkpoint load; this module has nowhere to put them."""
+    for key in list(incompatible_keys.unexpected_keys):
+        if _EXTRA_STATE_TAG in key:
+            incompatible_keys.unexpected_keys.remove(key)
+
+
+_EXTRA_STATE_TAG = ".local_experts_extra_state."
+
+
+def _sequential_extra_states(module, prefix: str, sharded_offsets: tuple) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    num_local = module.num_local_experts
+    first, num_global = module.ep_group.rank() * num_local, module.ep_group.size() * num_local
+    # the offsets of Megatron's make_sharded_object_for_checkpoint: layer axes, then the expert axis
+    offsets = tuple(o[1] for o in sharded_offsets), tuple(o[2] for o in sharded_offsets)
+    replica_id = (0, module.tp_group.rank(), module.dp_group.rank())
+    out = {}
+    for i in range(num_local):
+        for linear in ("linear_fc1", "linear_fc2"):
+            out[f"{prefix}{_EXTRA_STATE_TAG[1:]}{i}.{linear}"] = ShardedObject(
+                f"{prefix}experts.{linear}._extra_state", None, (*offsets[1], num_global),
+                (*offsets[0], first + i), replica_id)
+    return out
 
 
 def _expert_param(config, shape: tuple[int, ...], partition_dim: int, init) -> torch.nn.Parameter:
