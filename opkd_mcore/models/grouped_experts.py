@@ -28,13 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from opkd_mcore.config.schema import MOE_EXPERTS
 from opkd_mcore.platform import current_device, is_cpu
 
 logger = logging.getLogger(__name__)
-
-MOE_EXPERTS = ("auto", "te_grouped", "torch_grouped", "sequential")
-"""values of `model.moe_experts`"""
-
 
 # --------------------------------------------------------------------------- the decision
 @dataclass(frozen=True)

@@ -171,6 +171,8 @@ class MoEBridge(ModelBridge):
             moe_grouped_gemm=False,
             # all-to-all exchanges only the routed tokens; every process-group backend carries it
             moe_token_dispatcher_type="alltoall",
+            # capacity-free routing: every token reaches its k experts (no drops, no padding), as in HF
+            moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
             moe_shared_expert_intermediate_size=self.shared_ffn_size,
             moe_shared_expert_gate=self.shared_expert,
         )

@@ -64,14 +64,16 @@ def shard_layout(engine) -> ShardLayout:
 
 
 def build_student(model_dir: str, optim: OptimSection | None, params_dtype: str = "float32", *,
-                  padded_vocab: int | None = None, teacher=None, moe_aux_loss_coef: float = 0.0):
+                  padded_vocab: int | None = None, teacher=None, moe_aux_loss_coef: float = 0.0,
+                  moe_experts: str = "auto"):
     """Megatron chunks of this rank loaded from an HF checkpoint, wrapped in a `MegatronEngine`
     (with `teacher`, an `InStepTeacher`, run inside each training step; or a function of the
     student's chunks that builds one: a self teacher with the current weights runs the chunks
-    themselves). An MoE student gets the router load-balancing loss when `moe_aux_loss_coef` > 0."""
+    themselves). An MoE student gets the router load-balancing loss when `moe_aux_loss_coef` > 0,
+    and the experts module `moe_experts` (`model.moe_experts`)."""
     moe = {"moe_aux_loss_coeff": moe_aux_loss_coef} if moe_aux_loss_coef else {}
     chunks = build_model(load_hf_config(model_dir), params_dtype=TORCH_DTYPES[params_dtype],
-                         padded_vocab=padded_vocab, **moe)
+                         padded_vocab=padded_vocab, moe_experts=moe_experts, **moe)
     load_hf_weights(chunks, model_dir)
     if callable(teacher):
         teacher = teacher(chunks)
@@ -175,7 +177,8 @@ def build_trainer_rank(cfg: TrainConfig):
     in_step = build_in_step_teacher(cfg, padded_vocab, student_vocab)
     engine, chunks = build_student(cfg.model.student, optim_config(cfg), cfg.model.params_dtype,
                                    padded_vocab=padded_vocab, teacher=in_step,
-                                   moe_aux_loss_coef=cfg.loss.moe_aux_loss_coef)
+                                   moe_aux_loss_coef=cfg.loss.moe_aux_loss_coef,
+                                   moe_experts=cfg.model.moe_experts)
     shard = with_hidden_teacher_head(cfg, shard_layout(engine), TORCH_DTYPES[cfg.model.params_dtype],
                                      engine.device)
     return engine, chunks, shard, ps.get_tensor_model_parallel_group()
