@@ -181,7 +181,7 @@ def test_grouped_student_gives_hf_logits_and_exports_the_checkpoint(one_rank, ck
     chunks[0].eval()
     with torch.no_grad():
         logits = pipeline_logits(chunks, tokens)[..., :vocab]
-    torch.testing.assert_close(logits, hf_logits(ckpts[family], tokens), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, hf_logits(ckpts[family], tokens), rtol=1e-4, atol=2e-5)
     assert _export_mismatches(chunks, ckpts[family]) == []  # every HF tensor, bit for bit
 
 
