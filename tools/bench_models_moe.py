@@ -45,12 +45,15 @@ def run_moe(args) -> None:
     init_parallel(ParallelConfig(tp=args.tp or 1, ep=ep))
     rows = []
     for impl in [s.strip() for s in args.moe_experts.split(",") if s.strip()]:
-        rows.append(_run_one(args, ep, impl))
+        try:
+            rows.append(_run_one(args, ep, impl))
+        except ValueError as err:  # this machine cannot run it (e.g. te_grouped without TE): a row says why
+            rows.append({"moe_experts": impl, "error": str(err)})
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        meta = run_metadata(device=rows[0]["device"])
+        meta = run_metadata(device=next((r["device"] for r in rows if "device" in r), None))
         record(args.results, meta, rows)
         if args.out:
             with open(args.out, "w") as f:
