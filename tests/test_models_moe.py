@@ -3,7 +3,9 @@
 Tiny checkpoints: 8 experts, top-2, 2 layers, head_dim 64 (Qwen3-MoE renormalises its top-k
 weights, Qwen2-MoE does not and adds a gated shared expert, Mixtral renormalises always). Every
 family runs at TP=1 (DP=2), EP=2, TP=2 x EP=2 with expert-TP 1 and PP=2 in ONE pair of real
-processes over gloo; Qwen2-MoE also at TP=2 x EP=2 x expert-TP 2 on four processes. Each case is
+processes over gloo; Qwen2-MoE also at TP=2 x EP=2 x expert-TP 2 on four processes. The experts
+module is `model.moe_experts`'s auto choice (torch_grouped on a CPU), and SequentialMLP at EP=2
+("ep2seq"). Each case is
 checked against independent references: the HF `transformers` forward (fp32, eager attention)
 and the original checkpoint bytes.
 """
@@ -19,8 +21,9 @@ from tests.test_models_parity import hf_logits, pipeline_logits
 
 FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 LAYOUTS = {"tp1": dict(tp=1), "ep2": dict(ep=2), "tp2ep2": dict(tp=2, ep=2, etp=1),
-           "pp2": dict(pp=2), "tp2ep2etp2": dict(tp=2, ep=2, etp=2)}
-CASES = [(f, lay) for f in FAMILIES for lay in ("tp1", "ep2", "tp2ep2", "pp2")]
+           "pp2": dict(pp=2), "tp2ep2etp2": dict(tp=2, ep=2, etp=2), "ep2seq": dict(ep=2)}
+EXPERTS_OF = {"ep2seq": "sequential"}  # layout -> model.moe_experts; the others: auto
+CASES = [(f, lay) for f in FAMILIES for lay in ("tp1", "ep2", "tp2ep2", "pp2", "ep2seq")]
 WORLD4_CASES = [("qwen2_moe", "tp2ep2etp2")]
 SEQ_LEN, BATCH = 11, 2
 
@@ -75,7 +78,8 @@ def _run_case(family, layout_name, hf_dir, out_root):
     init_parallel(ParallelConfig(**LAYOUTS[layout_name]))
     try:
         cfg = load_hf_config(hf_dir)
-        chunks = build_model(cfg, make_vocab_size_divisible_by=64)
+        chunks = build_model(cfg, make_vocab_size_divisible_by=64,
+                             moe_experts=EXPERTS_OF.get(layout_name, "auto"))
         load_hf_weights(chunks, hf_dir)
         for c in chunks:
             c.eval()

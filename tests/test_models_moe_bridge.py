@@ -27,6 +27,7 @@ def test_router_mapping_follows_norm_topk_prob(family, extra, pre_softmax):
     assert kwargs["num_moe_experts"] == 8 and kwargs["moe_router_topk"] == 2
     assert kwargs["moe_router_load_balancing_type"] == "none" and kwargs["moe_aux_loss_coeff"] == 0.0
     assert kwargs["moe_grouped_gemm"] is False and kwargs["moe_token_dispatcher_type"] == "alltoall"
+    assert kwargs["moe_expert_capacity_factor"] is None and not kwargs["moe_pad_expert_input_to_capacity"]
 
 
 def test_qwen2_moe_maps_its_gated_shared_expert():
@@ -122,6 +123,7 @@ def test_moe_student_at_ep2_validates(moe_run):
     (["parallel.tp=2"], "parallel.tp", "MoE student trains at tp=1"),
     (["parallel.world_size=3"], "parallel.ep", "etp*ep*pp = 2 does not divide the world size 3"),
     (["loss.moe_aux_loss_coef=-0.1"], "loss.moe_aux_loss_coef", ">= 0"),
+    (["model.moe_experts=grouped"], "model.moe_experts", "torch_grouped"),
     (["teacher.teachers.0.backend=megatron", "teacher.teachers.0.model={moe8}", "parallel.ep=2",
       "loss.support=null"], None, None),
 ])

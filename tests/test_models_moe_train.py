@@ -1,7 +1,8 @@
 """MoE students trained by MegatronEngine at EP=2 == transformers + torch AdamW in float64.
 
-Real Megatron-core MoE layers (TopKRouter, all-to-all token dispatcher over gloo, SequentialMLP
-experts), two processes. Cases: Qwen3-MoE at EP=2 (each rank holds 4 of the 8 experts), Qwen3-MoE
+Real Megatron-core MoE layers (TopKRouter, all-to-all token dispatcher over gloo, the experts of
+`model.moe_experts=auto`: torch_grouped on a CPU), two processes. Cases: Qwen3-MoE at EP=2 (each
+rank holds 4 of the 8 experts; again with SequentialMLP experts), Qwen3-MoE
 at EP=1 x DP=2 (experts replicated: their gradients reduced over the expert-data-parallel group),
 and Qwen2-MoE (gated shared expert) at EP=2 with the distributed optimizer and the router
 load-balancing loss on. The reference is the HF model trained in float64 with `torch.optim.AdamW`
@@ -36,7 +37,10 @@ CASES = {  # name -> (family, ParallelConfig kwargs, aux coefficient, distribute
     "qwen3_moe-ep2": ("qwen3_moe", dict(ep=2), 0.0, False),
     "qwen3_moe-dp2": ("qwen3_moe", dict(ep=1), 0.0, False),
     "qwen2_moe-ep2-aux-distopt": ("qwen2_moe", dict(ep=2), AUX_COEF, True),
+    "qwen3_moe-ep2-sequential": ("qwen3_moe", dict(ep=2), 0.0, False),
 }
+# model.moe_experts of a case: auto (torch_grouped on a CPU) unless named here
+EXPERTS = {"qwen3_moe-ep2-sequential": "sequential"}
 # micro-batch of each sequence (tests.test_engine packs 0+1 together, 2 alone)
 MICRO_BATCH_OF = [0, 0, 1]
 
@@ -51,7 +55,8 @@ def _train_case(name, hf_dirs, ckpt_root, params_dtype=None):
     init_parallel(ParallelConfig(seed=7, **layout))
     try:
         hf_dir = hf_dirs[family]
-        chunks = build_model(load_hf_config(hf_dir), moe_aux_loss_coeff=coef, params_dtype=params_dtype)
+        chunks = build_model(load_hf_config(hf_dir), moe_aux_loss_coeff=coef, params_dtype=params_dtype,
+                             moe_experts=EXPERTS.get(name, "auto"))
         load_hf_weights(chunks, hf_dir)
         engine = MegatronEngine(chunks, OptimSection(lr=LR, clip_grad=CLIP, weight_decay=0.1,
                                                     use_distributed_optimizer=distopt))

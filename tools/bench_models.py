@@ -14,9 +14,11 @@ experts of FFN 768, top-8, vocab 151936) with fewer layers (`--layers`, default 
 split over `--ep` ranks (default: the world size), trained by `MegatronEngine` for real: DDP,
 Adam with fp32 main params, the router load-balancing loss (`--aux-coef`), and a forward-KL loss
 through `kd_loss` (fused kernels where built) against a fixed random dense teacher. Reports step
-time, tokens/s over all ranks, peak memory and the router metrics of the last step:
+time, tokens/s over all ranks, peak memory and the router metrics of the last step, for each
+experts implementation of `--moe-experts` (side by side in one table):
 
-    torchrun --nproc-per-node 2 tools/bench_models.py --moe --layers 8 --seq 4096 --out moe.json
+    torchrun --nproc-per-node 2 tools/bench_models.py --moe --layers 8 --seq 4096 --out moe.json \
+        --moe-experts sequential,torch_grouped,te_grouped
 """
 from __future__ import annotations
 
@@ -52,6 +54,10 @@ def parse_args():
     p.add_argument("--topk", type=int, default=8, help="--moe: experts per token")
     p.add_argument("--moe-ffn", type=int, default=768, help="--moe: FFN size of one expert")
     p.add_argument("--aux-coef", type=float, default=1e-3, help="--moe: router load-balancing loss weight")
+    p.add_argument("--moe-experts", default="auto",
+                   help="--moe: comma-separated experts implementations (model.moe_experts: auto, "
+                        "te_grouped, torch_grouped, sequential), timed one after the other on the same "
+                        "shape and batches, one table row each")
     args = p.parse_args()
     if args.moe:  # the Qwen3-30B-A3B attention shape unless given on the command line
         for key, value in (("heads", 32), ("kv_heads", 4), ("layers", 8)):

@@ -31,6 +31,38 @@ def _loss_fn(num_global_tokens: int):
 
 
 def run_moe(args) -> None:
+    """One row per experts implementation of `--moe-experts`, each a fresh model and engine on the
+    same shape and batches (the model is freed before the next one is built)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ep = args.ep or world
+    init_parallel(ParallelConfig(tp=args.tp or 1, ep=ep))
+    rows = []
+    for impl in [s.strip() for s in args.moe_experts.split(",") if s.strip()]:
+        try:
+            rows.append(_run_one(args, ep, impl))
+        except ValueError as err:  # this machine cannot run it (e.g. te_grouped without TE): a row says why
+            rows.append({"moe_experts": impl, "error": str(err)})
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        meta = run_metadata(device=next((r["device"] for r in rows if "device" in r), None))
+        record(args.results, meta, rows)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows} if len(rows) > 1 else {**rows[0], "meta": meta},
+                          f, indent=2)
+    destroy_parallel(destroy_process_group=True)
+
+
+def _run_one(args, ep: int, moe_experts: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -40,17 +72,16 @@ def run_moe(args) -> None:
     from opkd_mcore.losses import DenseTeacher
     from opkd_mcore.models import build_model, hf_weight_metadata
     from opkd_mcore.models.tiny import TinyModelShape, tiny_hf_config
-    from opkd_mcore.platform import ParallelConfig, current_device, destroy_parallel, init_parallel
+    from opkd_mcore.platform import current_device
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ep = args.ep or world
-    init_parallel(ParallelConfig(tp=args.tp or 1, ep=ep))
     shape = TinyModelShape(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                            head_dim=args.head_dim, max_position_embeddings=max(args.seq, 4096),
                            extra=dict(num_experts=args.experts, num_experts_per_tok=args.topk,
                                       moe_intermediate_size=args.moe_ffn, norm_topk_prob=True))
-    chunks = build_model(tiny_hf_config("qwen3_moe", shape), moe_aux_loss_coeff=args.aux_coef)
+    chunks = build_model(tiny_hf_config("qwen3_moe", shape), moe_aux_loss_coeff=args.aux_coef,
+                         moe_experts=moe_experts)
+    experts_module = type(chunks[0].decoder.layers[0].mlp.experts).__name__
     num_params = sum(torch.Size(m.shape).numel() for m in hf_weight_metadata(chunks))
     local_params = sum(p.numel() for p in chunks[0].parameters())
     engine = MegatronEngine(chunks, OptimSection(lr=1e-5, clip_grad=1.0))
@@ -78,8 +109,9 @@ def run_moe(args) -> None:
     peak = torch.tensor([_peak_memory_gib(on_gpu)], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     tokens = args.seq * args.micro_batch * dp
-    result = dict(
+    return dict(
         device=torch.cuda.get_device_name() if on_gpu else "cpu", world_size=dist.get_world_size(),
+        moe_experts=moe_experts, experts_module=experts_module,
         tp=args.tp or 1, ep=ep, experts=args.experts, topk=args.topk, layers=args.layers,
         params_billion=round(num_params / 1e9, 3), params_per_rank_billion=round(local_params / 1e9, 3),
         seq=args.seq, micro_batches_per_rank=args.micro_batch, tokens_per_step=tokens,
@@ -90,11 +122,3 @@ def run_moe(args) -> None:
         peak_mem_gib_max_rank=round(peak.item(), 2), loss=round(metrics["train/loss"], 4),
         **{k: round(v, 4) for k, v in metrics.items() if k.startswith("moe/")},
     )
-    if dist.get_rank() == 0:
-        meta = run_metadata(device=result["device"])
-        result["meta"] = meta
-        record(args.results, meta, [{k: v for k, v in result.items() if k != "meta"}])
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
-    destroy_parallel(destroy_process_group=True)

@@ -42,6 +42,7 @@ OVERLONG_POLICIES = ("error", "skip")  # data.overlong
 MISSING_TEACHER_PROMPT_POLICIES = ("error", "skip")  # data.missing_teacher_prompt
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BUILTIN_REWARDS = ("exact_match",)  # data.rewards values besides "module:function"
+MOE_EXPERTS = ("auto", "te_grouped", "torch_grouped", "sequential")  # model.moe_experts
 SEED_MAX = 2**31 - 1  # seeds reach numpy (32-bit) after Megatron and vLLM add rank/step offsets
 RECOMPUTE_MODES = ("none", "selective", "full")  # parallel.recompute
 
@@ -54,6 +55,12 @@ class ModelSection:
     """HF checkpoint directory of the student (initial weights, tokenizer)"""
     params_dtype: str = "float32"
     """Megatron parameter dtype: float32 | bfloat16 | float16"""
+    moe_experts: str = "auto"
+    """MoE students: the routed experts' implementation: auto | te_grouped (Transformer Engine's grouped
+    GEMM) | torch_grouped (torch._grouped_mm) | sequential (Megatron's SequentialMLP, a loop over the
+    experts). auto = te_grouped where TE is installed (GPU), else torch_grouped where torch._grouped_mm
+    runs for the dtype and expert shapes (CPU float32/bfloat16, H100/H200 bfloat16), else sequential;
+    the choice and its reason are logged. Dense students ignore it"""
 
 
 @dataclass(kw_only=True)

@@ -57,6 +57,7 @@ from opkd_mcore.config.schema import (
     LOSS_IMPLS,
     MASSES,
     MISSING_TEACHER_PROMPT_POLICIES,
+    MOE_EXPERTS,
     OVERLAPPED_SCHEDULES,
     OVERLONG_POLICIES,
     PLACEMENTS,
@@ -529,6 +530,7 @@ def _check_checkpoint_cadence(cfg: TrainConfig) -> None:
 
 def _check_rest(cfg: TrainConfig, check_files: bool) -> None:
     choice("model.params_dtype", cfg.model.params_dtype, DTYPES)
+    choice("model.moe_experts", cfg.model.moe_experts, MOE_EXPERTS)
     _check_rollout(cfg)
     _check_optim(cfg)
     _check_weight_sync(cfg)

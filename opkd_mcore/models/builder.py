@@ -16,6 +16,7 @@ import torch
 
 from opkd_mcore.config.schema import RECOMPUTE_MODES
 from opkd_mcore.models.bridge import ModelBridge, get_bridge, hf_inv_freq
+from opkd_mcore.models.grouped_experts import ExpertsChoice, experts_spec, resolve_experts
 from opkd_mcore.platform import current_device, is_cpu, megatron_thd_rope
 from opkd_mcore.platform.megatron_moe import prepare_megatron_moe
 from opkd_mcore.platform.sdpa_attention import SdpaCoreAttention
@@ -88,27 +89,44 @@ def _use_transformer_engine(device: str | None = None) -> bool:
 transformer_engine_usable = _use_transformer_engine
 
 
-def layer_spec(bridge: ModelBridge, use_te: bool | None = None):
-    """Transformer Engine spec when TE is usable, else Megatron's local spec with SDPA attention."""
+def layer_spec(bridge: ModelBridge, use_te: bool | None = None, experts: ExpertsChoice | None = None):
+    """Transformer Engine spec when TE is usable, else Megatron's local spec with SDPA attention; an
+    MoE model's experts submodule as `experts` decided (`grouped_experts.resolve_experts`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     use_te = _use_transformer_engine() if use_te is None else use_te
     # unfused packed-sequence RoPE (no TE, or TE without rope fusion) without Megatron's host syncs
     megatron_thd_rope.install()
-    # MoE: SequentialMLP experts (moe_grouped_gemm=False), whose per-expert parameter names the
-    # bridge maps; the grouped-GEMM modules need TE or the grouped_gemm package
     num_experts = bridge.num_experts if bridge.is_moe else None
     if bridge.is_moe:
         prepare_megatron_moe()
+    experts = experts or ExpertsChoice("sequential", "no decision given")
+    grouped = experts.grouped_gemm  # TEGroupedMLP; otherwise SequentialMLP, replaced below if torch_grouped
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=bridge.qk_norm)
-
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                    qk_layernorm=bridge.qk_norm,
-                                                    normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=grouped, qk_layernorm=bridge.qk_norm)
+    else:
+        if grouped:
+            raise ValueError("model.moe_experts: te_grouped needs the Transformer Engine layer spec")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                        qk_layernorm=bridge.qk_norm,
+                                                        normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    if bridge.is_moe and experts_spec(experts) is not None:
+        spec.submodules.mlp.submodules.experts = experts_spec(experts)
     return spec
+
+
+def resolve_model_experts(bridge: ModelBridge, requested: str, params_dtype: torch.dtype,
+                          etp: int = 1) -> ExpertsChoice | None:
+    """The experts module of an MoE model (None for a dense one), decided and logged once."""
+    if not bridge.is_moe:
+        return None
+    choice = resolve_experts(requested, params_dtype, bridge.hf_config.hidden_size,
+                             bridge.expert_ffn_size // etp)
+    logger.info("%s experts: %s (model.moe_experts=%s: %s)", bridge.family, choice.impl, requested,
+                choice.reason)
+    return choice
 
 
 def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, **overrides):
@@ -160,13 +178,14 @@ def default_params_dtype() -> torch.dtype:
 
 def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
                 make_vocab_size_divisible_by: int = 1, use_te: bool | None = None,
-                padded_vocab: int | None = None, **config_overrides) -> list:
+                padded_vocab: int | None = None, moe_experts: str = "auto", **config_overrides) -> list:
     """GPTModel chunks of this rank (one per VPP chunk, a single one without VPP).
 
     `params_dtype` defaults to fp32 on CPU and bf16 on accelerators. The vocabulary is padded to a
     multiple of `make_vocab_size_divisible_by * tp`; the padded rows are zero after loading and are
     dropped on export (`ModelLayout.vocab_size` is the real size). `padded_vocab` pads to exactly that
-    many rows instead (a student and its teacher share one vocabulary layout that way). Extra keyword
+    many rows instead (a student and its teacher share one vocabulary layout that way). `moe_experts`
+    (`grouped_experts.MOE_EXPERTS`) picks an MoE model's experts module. Extra keyword
     arguments override `TransformerConfig` fields (e.g. `recompute_granularity`).
     """
     from megatron.core import parallel_state as ps
@@ -186,8 +205,11 @@ def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
         raise ValueError(f"context_parallel_size: {ps.get_context_parallel_world_size()} needs the "
                          "Transformer Engine layer spec (parallel.cp > 1); the local spec's SDPA attention "
                          "has no CP")
+    experts = resolve_model_experts(bridge, moe_experts, dtype, etp)
+    if experts is not None:
+        config_overrides.setdefault("moe_grouped_gemm", experts.grouped_gemm)
     config = transformer_config(bridge, dtype, **config_overrides)
-    spec = layer_spec(bridge, use_te)
+    spec = layer_spec(bridge, use_te, experts)
     padded = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
     if padded_vocab is not None:
         if padded_vocab < hf_config.vocab_size or padded_vocab % tp:

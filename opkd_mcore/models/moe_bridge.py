@@ -12,7 +12,15 @@ Attention, norms, embeddings and the LM head are mapped exactly as for the dense
 | `mlp.shared_experts.gate_weight` [1, H]              | `mlp.shared_expert_gate.weight` (Qwen2)         |
 
 `{moe}` is `mlp` (Qwen) or `block_sparse_moe` (Mixtral, whose experts are `w1`/`w3`/`w2` for
-gate/up/down). Local expert `i` of EP rank `r` is global expert `e = r * E / ep + i`; its fc1/fc2
+gate/up/down). The rules name the experts as `SequentialMLP` does; the grouped experts modules hold
+the same per-expert matrices under other names (`local_expert_slot` maps every layout to the rule):
+
+| experts module (`model.moe_experts`) | local expert `i`'s fc1 (fc2 alike)                     |
+| ------------------------------------ | ------------------------------------------------------ |
+| `sequential` (`SequentialMLP`)       | `mlp.experts.local_experts.{i}.linear_fc1.weight`      |
+| `te_grouped` (`TEGroupedMLP`)        | `mlp.experts.linear_fc1.weight{i}`                     |
+| `torch_grouped` (`TorchGroupedMLP`)  | `mlp.experts.fc1_weight[i]` (stacked [E_local, ...])   |
+ Local expert `i` of EP rank `r` is global expert `e = r * E / ep + i`; its fc1/fc2
 are split over the expert-tensor-parallel group like a dense MLP's over TP.
 
 Routing: HF takes softmax over all E router logits, then the top-k; with `norm_topk_prob` (Mixtral
@@ -24,6 +32,7 @@ The load-balancing loss is off unless the trainer asks for it (`moe_aux_loss_coe
 from __future__ import annotations
 
 import logging
+import re
 
 from opkd_mcore.models.bridge import ModelBridge, TensorRule
 
@@ -37,6 +46,42 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_interm
 
 def looks_like_moe(hf_config) -> bool:
     return any(getattr(hf_config, key, None) for key in _MOE_KEYS)
+
+
+_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_TE_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+STACKED_EXPERTS = {"mlp.experts.fc1_weight": "linear_fc1", "mlp.experts.fc2_weight": "linear_fc2"}
+"""`TorchGroupedMLP`'s parameters (all local experts along dim 0) -> the linear they stack"""
+
+
+def expert_rule_name(linear: str) -> str:
+    """The tensor rule's Megatron name of a routed expert's `linear` (linear_fc1 | linear_fc2)."""
+    return f"mlp.experts.local_experts.{{expert}}.{linear}.weight"
+
+
+def local_expert_slot(name: str) -> tuple[str, int | None] | None:
+    """(rule name, local expert index) of a routed expert's parameter `name` inside a layer, in any
+    experts layout; index None for a stacked parameter (expert i is its slice [i]); None when `name`
+    is not a routed expert's."""
+    if (m := _SEQUENTIAL_EXPERT.match(name)):
+        return expert_rule_name(m.group(2)), int(m.group(1))
+    if (m := _TE_EXPERT.match(name)):
+        return expert_rule_name(m.group(1)), int(m.group(2))
+    if name in STACKED_EXPERTS:
+        return expert_rule_name(STACKED_EXPERTS[name]), None
+    return None
+
+
+def expert_param_name(linear: str, local: int, impl: str) -> str:
+    """The inverse of `local_expert_slot`: the parameter holding local expert `local`'s `linear` in
+    the `impl` layout (torch_grouped: the stacked parameter, whose slice [local] it is)."""
+    if impl == "sequential":
+        return f"mlp.experts.local_experts.{local}.{linear}.weight"
+    if impl == "te_grouped":
+        return f"mlp.experts.{linear}.weight{local}"
+    if impl == "torch_grouped":
+        return next(k for k, v in STACKED_EXPERTS.items() if v == linear)
+    raise ValueError(f"model.moe_experts: no parameter layout for {impl!r}")
 
 
 class MoEBridge(ModelBridge):
@@ -122,9 +167,12 @@ class MoEBridge(ModelBridge):
             moe_router_score_function="softmax",
             moe_router_pre_softmax=not self.norm_topk_prob,
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,  # SequentialMLP: plain per-expert linears on every platform
+            # TEGroupedMLP only; build_model sets it from the experts decision (model.moe_experts)
+            moe_grouped_gemm=False,
             # all-to-all exchanges only the routed tokens; every process-group backend carries it
             moe_token_dispatcher_type="alltoall",
+            # capacity-free routing: every token reaches its k experts (no drops, no padding), as in HF
+            moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
             moe_shared_expert_intermediate_size=self.shared_ffn_size,
             moe_shared_expert_gate=self.shared_expert,
         )
@@ -138,9 +186,8 @@ class MoEBridge(ModelBridge):
         rules = [r for r in super().layer_rules() if not r.megatron.startswith("mlp.")]
         rules += [
             TensorRule("mlp.router.weight", (m + "gate.weight",), "replicated"),
-            TensorRule("mlp.experts.local_experts.{expert}.linear_fc1.weight", (gate, up),
-                       "expert_gate_up"),
-            TensorRule("mlp.experts.local_experts.{expert}.linear_fc2.weight", (down,), "expert_row"),
+            TensorRule(expert_rule_name("linear_fc1"), (gate, up), "expert_gate_up"),
+            TensorRule(expert_rule_name("linear_fc2"), (down,), "expert_row"),
         ]
         if self.shared_expert:
             s = p + "mlp.shared_expert."

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from opkd_mcore.models.bridge import TensorRule
 from opkd_mcore.models.builder import ModelLayout, layout_of, unwrap
+from opkd_mcore.models.moe_bridge import local_expert_slot
 from opkd_mcore.platform import current_device
 from opkd_mcore.platform.durable import replace_dir, staging_dir
 
@@ -54,7 +54,7 @@ class WeightMeta:
 
 @dataclass
 class _LocalParam:
-    param: torch.nn.Parameter
+    param: torch.Tensor  # the parameter, or one expert's slice of a stacked experts parameter
     rule: TensorRule
     layer: int | None
     expert: int | None = None  # global index of a routed expert
@@ -75,9 +75,6 @@ def _tp(expert: bool = False):
             ps.get_tensor_model_parallel_group())
 
 
-_EXPERT_SLOT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
-
-
 def _local_params(model_chunks) -> list[_LocalParam]:
     """Every parameter of this rank's chunks with the rule that maps it to HF tensors."""
     layout = layout_of(model_chunks)
@@ -92,10 +89,14 @@ def _local_params(model_chunks) -> list[_LocalParam]:
             if name.startswith("decoder.layers."):
                 local_idx, suffix = name[len("decoder.layers."):].split(".", 1)
                 layer = model.decoder.layers[int(local_idx)].layer_number - 1
-                match = _EXPERT_SLOT.match(suffix)
-                if match:  # local expert i of this EP rank is global expert first_expert + i
-                    expert = first_expert + int(match.group(2))
-                    suffix = match.group(1) + "{expert}" + match.group(3)
+                slot = local_expert_slot(suffix)
+                if slot is not None:  # local expert i of this EP rank is global expert first_expert + i
+                    suffix, local = slot
+                    if local is None:  # stacked experts: expert i is the view param[i]
+                        found += [_LocalParam(param.detach()[i], layer_rules[suffix], layer, first_expert + i)
+                                  for i in range(param.shape[0])]
+                        continue
+                    expert = first_expert + local
                 rule = layer_rules.get(suffix)
             else:
                 layer, rule = None, model_rules.get(name)

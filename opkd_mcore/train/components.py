@@ -65,15 +65,17 @@ def shard_layout(engine) -> ShardLayout:
 
 def build_student(model_dir: str, optim: OptimSection | None, params_dtype: str = "float32", *,
                   padded_vocab: int | None = None, teacher=None, moe_aux_loss_coef: float = 0.0,
-                  recompute: str = "none", sequence_parallel: bool = False):
+                  recompute: str = "none", sequence_parallel: bool = False, moe_experts: str = "auto"):
     """Megatron chunks of this rank loaded from an HF checkpoint, wrapped in a `MegatronEngine`
     (with `teacher`, an `InStepTeacher`, run inside each training step; or a function of the
     student's chunks that builds one: a self teacher with the current weights runs the chunks
-    themselves). An MoE student gets the router load-balancing loss when `moe_aux_loss_coef` > 0;
-    `recompute` / `sequence_parallel`: `parallel.recompute` / `parallel.sequence_parallel`."""
+    themselves). An MoE student gets the router load-balancing loss when `moe_aux_loss_coef` > 0,
+    and the experts module `moe_experts` (`model.moe_experts`); `recompute` / `sequence_parallel`:
+    `parallel.recompute` / `parallel.sequence_parallel`."""
     moe = {"moe_aux_loss_coeff": moe_aux_loss_coef} if moe_aux_loss_coef else {}
     chunks = build_model(load_hf_config(model_dir), params_dtype=TORCH_DTYPES[params_dtype],
-                         padded_vocab=padded_vocab, **moe, **memory_overrides(recompute, sequence_parallel))
+                         padded_vocab=padded_vocab, moe_experts=moe_experts, **moe,
+                         **memory_overrides(recompute, sequence_parallel))
     load_hf_weights(chunks, model_dir)
     if callable(teacher):
         teacher = teacher(chunks)
@@ -179,7 +181,8 @@ def build_trainer_rank(cfg: TrainConfig):
                                    padded_vocab=padded_vocab, teacher=in_step,
                                    moe_aux_loss_coef=cfg.loss.moe_aux_loss_coef,
                                    recompute=cfg.parallel.recompute,
-                                   sequence_parallel=cfg.parallel.sequence_parallel)
+                                   sequence_parallel=cfg.parallel.sequence_parallel,
+                                   moe_experts=cfg.model.moe_experts)
     shard = with_hidden_teacher_head(cfg, shard_layout(engine), TORCH_DTYPES[cfg.model.params_dtype],
                                      engine.device)
     return engine, chunks, shard, ps.get_tensor_model_parallel_group()

@@ -33,7 +33,9 @@
 #   bash tools/gpu/lane.sh loss           # the loss inside a training step: time, share, memory
 #   bash tools/gpu/lane.sh lm_head        # fused LM head + KD: GPU tests, then the benchmark
 #   bash tools/gpu/lane.sh lm_head2       # the LM-head benchmark at TP=2 (2 GPUs)
-#   bash tools/gpu/lane.sh moe            # MoE student at EP=2 (2 GPUs)
+#   bash tools/gpu/lane.sh moe            # MoE student at EP=2 (2 GPUs): SequentialMLP, torch and TE grouped
+#                                         # experts side by side (MOE_EXPERTS=a,b to choose; te_grouped
+#                                         # needs TE: ../shared/device/te-bundle.sh)
 #   bash tools/gpu/lane.sh steps          # the four Ray schedules (2 GPUs: student | rollout + teacher; Ray carried)
 #   bash tools/gpu/lane.sh controller2    # the Ray controller's GPU test (2 GPUs, Ray carried)
 #   bash tools/gpu/lane.sh steps1         # sync under Ray on 1 GPU, all colocated (controller.placement=colocated)
@@ -78,7 +80,8 @@ case "${1:-}" in
         --ignore-glob 'tests/test_controller_*' --ignore tests/test_rollout_ray.py 2>&1 | tee "$OUT/tests.log" ;;
   tests1)
     bash "$0" tests tests/test_demo.py tests/test_fused_linear_kd_gpu.py tests/test_fused_linear_kd_served.py \
-        tests/test_kernels_gpu.py tests/test_models_gpu.py tests/test_models_moe_e2e.py tests/test_rollout_vllm.py ;;
+        tests/test_kernels_gpu.py tests/test_models_gpu.py tests/test_models_grouped_experts_gpu.py \
+        tests/test_models_moe_e2e.py tests/test_rollout_vllm.py ;;
   tests2)
     bash "$0" tests tests/test_teacher_vllm.py tests/test_teacher_remote.py ;;
   tests5)  # one GPU: the device top-k teacher and its server, self- and cross-tokenizer distillation,
@@ -223,9 +226,11 @@ case "${1:-}" in
     tail -45 "$OUT/lm_head_tp2.log" ;;
   moe)  # a Qwen3-30B-A3B-shaped MoE student with fewer layers at EP=2 (2 GPUs)
     python3 -m torch.distributed.run --nproc_per_node 2 tools/bench_models.py --moe --layers 8 --seq 4096 \
+        --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" \
         --out "$OUT/moe.json" --results "$OUT/results.jsonl" > "$OUT/moe.log" 2>&1; grep "^|" "$OUT/moe.log" ;;
   moe1)  # the same MoE student at EP=1 on one GPU: half the layers, to fit its optimizer state
     python3 -m torch.distributed.run --nproc_per_node 1 tools/bench_models.py --moe --layers 4 --seq 4096 \
+        --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" \
         --out "$OUT/moe1.json" --results "$OUT/results.jsonl" > "$OUT/moe1.log" 2>&1; grep "^|" "$OUT/moe1.log" || tail -20 "$OUT/moe1.log" ;;
   steps1)  # bench_step on one GPU: trainer rank, rollout engine and teacher share it (colocated: sync only)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
