@@ -13,11 +13,11 @@
 #   bash tools/gpu/lane.sh tests_x4 a     # the GPU suite on 4 GPUs in three calls, parts side by side:
 #   bash tools/gpu/lane.sh tests_x4 b     # a: tests1 (GPU 0), tests2 (GPU 1), tests_pair1 (GPUs 2-3);
 #   bash tools/gpu/lane.sh tests_x4 c     # b: tests3, tests4, tests_pair2; c: tests_aborts then tests_pair4,
-#                                         # tests_pair3; d: tests5
+#                                         # tests_pair3; d: tests5, tests_pair5
 #   bash tools/gpu/lane.sh tests_x2 a     # on 2 GPUs in six calls: a: tests3 (GPU 0) beside tests1
 #                                         # (GPU 1); b: tests_pair1; c: tests2 beside tests4;
 #                                         # d: tests_pair2; e: tests_aborts then tests_pair4; f: tests_pair3;
-#                                         # g: tests5
+#                                         # g: tests5; h: tests_pair5
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -104,6 +104,9 @@ case "${1:-}" in
     bash "$0" tests tests/test_train_integration.py tests/test_models_moe_train.py -k "tp2 or pp2 or nccl" ;;
   tests_pair4)  # ... and the 2-rank kernel and model checks (their files' other tests run in tests1)
     bash "$0" tests tests/test_kernels_gpu.py tests/test_models_gpu.py -k "tp2" ;;
+  tests_pair5)  # Transformer Engine on 2 GPUs: context parallelism, TP=2 with sequence parallelism and
+                # recompute against one GPU (skipped without TE)
+    bash "$0" tests tests/test_context_parallel_gpu.py ;;
   tests_quad)  # what two GPUs skip (4 ranks: the TP=2 x PP=2 student's sync and training); nvidia-h100-x4
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py -k "tp2pp2" ;;
   tests_x4|tests_x2)  # the GPU suite in few calls on a 4-GPU (2-GPU) machine; own logs per step
@@ -111,7 +114,7 @@ case "${1:-}" in
       tests_x4:a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
       tests_x4:b) jobs=("0:tests3" "1:tests4" "2,3:tests_pair2") ;;
       tests_x4:c) jobs=("0,1:tests_aborts+tests_pair4" "2,3:tests_pair3") ;;
-      tests_x4:d) jobs=("0:tests5") ;;
+      tests_x4:d) jobs=("0:tests5" "2,3:tests_pair5") ;;
       tests_x2:a) jobs=("0:tests3" "1:tests1") ;;
       tests_x2:b) jobs=("0,1:tests_pair1") ;;
       tests_x2:c) jobs=("0:tests2" "1:tests4") ;;
@@ -119,6 +122,7 @@ case "${1:-}" in
       tests_x2:e) jobs=("0,1:tests_aborts+tests_pair4") ;;
       tests_x2:f) jobs=("0,1:tests_pair3") ;;
       tests_x2:g) jobs=("0:tests5") ;;
+      tests_x2:h) jobs=("0,1:tests_pair5") ;;
       *) echo "$1: no part ${2}" >&2; exit 2 ;;
     esac
     pids=()
