@@ -61,9 +61,9 @@ def _worker(rank, world_size, hf_dir, impls):
                 for name, tensor in iter_hf_weights(chunks, stages="all"):
                     if not torch.equal(tensor.cpu(), f.get_tensor(name).to(torch.bfloat16)):
                         bad.append(name)
-            grads = [tuple(g.float().cpu().numpy() for g in _expert_grads(layer.mlp.experts))
+            grads = [tuple(g.detach().float().cpu().numpy() for g in _expert_grads(layer.mlp.experts))
                      for layer in chunks[0].decoder.layers]
-            out[impl] = dict(logits=logits[..., :cfg.vocab_size].float().cpu().numpy(), bad=bad, grads=grads,
+            out[impl] = dict(logits=logits[..., :cfg.vocab_size].detach().float().cpu().numpy(), bad=bad, grads=grads,
                              module=type(chunks[0].decoder.layers[0].mlp.experts).__name__)
             del chunks, logits, loss
         return out

@@ -154,11 +154,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def prompt_dataset(dataset_cls, prompts: list[str]):
+    """The prompts as a `datasets.Dataset` with a fingerprint of their text. `Dataset.from_list` would
+    fingerprint it by pickling the Arrow table with dill, which fails on Python 3.12 with pyarrow 26
+    (`Can't pickle <class 'MonthDayNano'>`, seen on the GPU machine)."""
+    import hashlib
+
+    from datasets.table import InMemoryTable
+
+    digest = hashlib.sha256("\0".join(prompts).encode()).hexdigest()[:16]
+    return dataset_cls(InMemoryTable.from_pydict({"prompt": prompts}), fingerprint=f"opkd-peers-{digest}")
+
+
 def train(w, records, run_dir, on_gpu, port, trainer_cls, callback_cls, dataset_cls,
           version) -> list[StepRow]:
     """Run the trainer with its methods timed; one StepRow per optimizer step."""
-    dataset = dataset_cls.from_list([{"prompt": r["prompt"]} for r in records
-                                     for _ in range(w.samples_per_prompt)])
+    dataset = prompt_dataset(dataset_cls, [r["prompt"] for r in records for _ in range(w.samples_per_prompt)])
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     clock, rows = StageClock(sync), []
     args = build_config(w, run_dir, on_gpu, port)
