@@ -88,7 +88,7 @@ case "${1:-}" in
           # the peers harness
     bash "$0" tests tests/test_teacher_device_topk.py tests/test_teacher_score_server.py \
         tests/test_self_teacher.py tests/test_demo_self_distill.py tests/test_demo_cross_tokenizer.py \
-        tests/test_bench_peers.py ;;
+        tests/test_cross_tokenizer_served.py tests/test_bench_peers.py ;;
   tests_pair)  # the tests that one GPU skips (2 ranks: Megatron-student weight-sync layouts, EP=2, TP/PP=2 train)
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py tests/test_models_moe_e2e.py \
         tests/test_train_resume.py tests/test_train_integration.py tests/test_models_moe_train.py \
