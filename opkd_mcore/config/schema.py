@@ -58,8 +58,9 @@ class ModelSection:
     moe_experts: str = "auto"
     """MoE students: the routed experts' implementation: auto | te_grouped (Transformer Engine's grouped
     GEMM) | torch_grouped (torch._grouped_mm) | sequential (Megatron's SequentialMLP, a loop over the
-    experts). auto = te_grouped where TE is installed (GPU), else torch_grouped where torch._grouped_mm
-    runs for the dtype and expert shapes (CPU float32/bfloat16, H100/H200 bfloat16), else sequential;
+    experts). auto = torch_grouped where torch._grouped_mm runs for the dtype and expert shapes (CPU
+    float32/bfloat16, H100/H200 bfloat16; the fastest measured), else te_grouped where TE is installed, else
+    sequential;
     the choice and its reason are logged. Dense students ignore it"""
 
 

@@ -5,7 +5,8 @@
 * ``te_grouped``: Megatron's `TEGroupedMLP` (Transformer Engine's grouped linear; GPUs with TE),
 * ``torch_grouped``: `TorchGroupedMLP` below (`torch._grouped_mm`: CPU float32/bfloat16, sm90 bf16),
 * ``sequential``: Megatron's `SequentialMLP` (a Python loop of per-expert linears; runs everywhere),
-* ``auto``: the first of those that runs here, probed once (`resolve_experts`) and logged with why.
+* ``auto``: torch_grouped where it runs, else te_grouped where TE is installed, else sequential,
+  probed once (`resolve_experts`) and logged with why.
 
 `TorchGroupedMLP` holds the local experts' weights as two stacked parameters, ``fc1_weight``
 [E_local, 2F/etp, H] (gate rows, then up rows, as `SequentialMLP`'s ``linear_fc1.weight``) and
@@ -86,15 +87,18 @@ def resolve_experts(requested: str, params_dtype: torch.dtype, hidden: int, ffn_
                          f"({'CPU run' if is_cpu() else 'transformer_engine is not installed'})")
     if requested in ("te_grouped", "sequential"):
         return ExpertsChoice(requested, "asked for")
-    if requested == "auto" and te:
-        return ExpertsChoice("te_grouped", "Transformer Engine is installed")
+    # auto prefers torch's grouped GEMM where it runs: on an H200 (Qwen3-30B-A3B experts, 4096 tokens)
+    # it trained 2.3x faster than TE's grouped linear (docs/benchmarks.md, "MoE student")
     why_not = grouped_mm_runs(params_dtype, hidden, ffn_local, device)
     if why_not is None:
         return ExpertsChoice("torch_grouped", "asked for" if requested == "torch_grouped" else
-                             f"no Transformer Engine; torch._grouped_mm runs {params_dtype} on {device}")
+                             f"torch._grouped_mm runs {params_dtype} on {device}")
     if requested == "torch_grouped":
         raise ValueError(f"{key}: torch_grouped needs torch._grouped_mm for {params_dtype} with hidden "
                          f"{hidden} and expert FFN {ffn_local} on {device}: {why_not}")
+    if te:
+        return ExpertsChoice("te_grouped", f"torch._grouped_mm does not run {params_dtype} on {device} "
+                                           f"({why_not}); Transformer Engine is installed")
     return ExpertsChoice("sequential", f"no Transformer Engine, and torch._grouped_mm does not run "
                                        f"{params_dtype} on {device}: {why_not}")
 
