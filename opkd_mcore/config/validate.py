@@ -291,9 +291,9 @@ def _check_loss(cfg: TrainConfig, student_shape: dict | None) -> None:
     _check_fused_lm_head(cfg)
     hidden = [i for i, t in enumerate(cfg.teacher.teachers) if teacher_output(t) == "hidden"]
     if hidden and len(cfg.teacher.teachers) > 1:
-        raise ConfigError(f"teacher.teachers.{hidden[0]}.output: a hidden-state teacher must be the run's only "
-                          "teacher (the trainer holds one teacher output weight; use replica_urls for more "
-                          "servers of it)")
+        raise ConfigError(f"teacher.teachers.{hidden[0]}.output: a hidden-state teacher must be the run's "
+                          "only teacher (the trainer holds one teacher output weight; use replica_urls for "
+                          "more servers of it)")
     if loss.confidence_alpha and hidden:
         raise ConfigError("loss.confidence_alpha: teacher-confidence weights need the teacher's logprobs of "
                           "the sampled tokens; a hidden-state teacher sends none (use 0)")

@@ -198,7 +198,8 @@ class MegatronEngine:
 
         gpt = model.teacher[0]
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group(), trainable=False)
-        return HiddenTeacher(rows.detach().to(dtype), output_weight(gpt).detach().to(dtype), self.teacher.vocab_size)
+        weight = output_weight(gpt).detach().to(dtype)
+        return HiddenTeacher(rows.detach().to(dtype), weight, self.teacher.vocab_size)
 
     def _own_packing_teacher(self, model, hidden_SBH: torch.Tensor, batch: PackedBatch, dtype: torch.dtype,
                              fused_head: bool):
@@ -241,7 +242,8 @@ class MegatronEngine:
 
             def loss_closure(output_tensor, non_loss_data: bool = False):
                 if fused_head:  # [S, 1, H] hidden states: the loss applies the output layer itself
-                    loss, metrics = loss_fn(self._lm_head_input(model, output_tensor, batch.num_tokens), batch)
+                    rows = self._lm_head_input(model, output_tensor, batch.num_tokens)
+                    loss, metrics = loss_fn(rows, batch)
                     return self._reported(loss, metrics)
                 # [1, T_padded, V_local] -> [T, V_local]: the pipeline padding is cut off here
                 logits = self._mask_padding(self._rows(output_tensor, batch.num_tokens))
@@ -259,7 +261,8 @@ class MegatronEngine:
         if loss.dim() != 0:
             raise ValueError(f"loss_fn: expected a scalar loss, got shape {tuple(loss.shape)}")
         reported = {"train/loss": loss.detach().float()}
-        reported.update({k: torch.as_tensor(v, device=loss.device).detach().float() for k, v in metrics.items()})
+        reported.update({k: torch.as_tensor(v, device=loss.device).detach().float()
+                         for k, v in metrics.items()})
         # the token count is a placeholder: the caller normalised already (see finalize above)
         return loss, torch.ones((), dtype=torch.int, device=loss.device), reported
 

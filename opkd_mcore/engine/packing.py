@@ -50,7 +50,8 @@ class PackedBatch:
     teacher: DenseTeacher | TopKTeacher | CrossTokenizerTeacher | None = None  # row t scores t+1
     sampler_logprobs: torch.Tensor | None = None  # [T] logprob of token t+1 under the rollout sampler
     sequence_weights: torch.Tensor | None = None  # [B] per-sequence weights (e.g. teacher confidence)
-    task_advantages: torch.Tensor | None = None  # [T] task-reward advantage of the sequence, on its response rows
+    # [T] task-reward advantage of the sequence, on its response rows
+    task_advantages: torch.Tensor | None = None
     # an in-step teacher on tokens of its own (teacher prompts, another tokenizer): its packing of the
     # samples' teacher-side sequences, in the same order (engine/teacher_in_step.py), and, with teacher
     # prompts, per row here the row of that packing paired with it (`engine/response_pairing.py`, -1:
