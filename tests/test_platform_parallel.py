@@ -4,21 +4,36 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
 import sys
+import textwrap
 import threading
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from opkd_mcore.platform import device as platform_device
-from opkd_mcore.platform import megatron_cpu, parallel
+from opkd_mcore.platform import megatron_cpu
 from opkd_mcore.platform.parallel import ParallelConfig
 from tests._dist import run_distributed
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 # ----------------------------------------------------------------------------- NPU selection
+# Naming torch's out-of-tree device slot "npu" (what importing torch_npu does) lasts for the process
+# and leaves torch asking for NPU hooks that a test double cannot register: a later `dist.barrier()`
+# in the same process can fail. So the NPU cases run in a process of their own.
+NPU_DOUBLE = '''
+import sys, types
+import torch
+from opkd_mcore.platform import device as platform_device
+from opkd_mcore.platform import megatron_cpu, parallel
+from opkd_mcore.platform.parallel import ParallelConfig
+
+
 class FakeNpuForSelectionTest:
     """Test double for `torch.npu` (Ascend): records set_device; nothing here can run on an NPU."""
 
@@ -38,45 +53,52 @@ class FakeNpuForSelectionTest:
         return self.devices_set[-1] if self.devices_set else 0
 
 
-@pytest.fixture
-def fake_npu(monkeypatch):
-    fake = FakeNpuForSelectionTest()
-    # what importing torch_npu does: name torch's out-of-tree device slot "npu" (once per process)
-    if torch._C._get_privateuse1_backend_name() != "npu":
-        torch.utils.rename_privateuse1_backend("npu")
-    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
-    monkeypatch.setattr(torch, "npu", fake, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(platform_device.importlib.util, "find_spec",
-                        lambda name: object() if name == "torch_npu" else None)
-    monkeypatch.delenv("OPKD_DEVICE", raising=False)
-    platform_device.detect_device_type.cache_clear()
-    yield fake
-    platform_device.detect_device_type.cache_clear()
+fake_npu = FakeNpuForSelectionTest()
+torch.utils.rename_privateuse1_backend("npu")
+sys.modules["torch_npu"] = types.ModuleType("torch_npu")
+torch.npu = fake_npu
+torch.cuda.is_available = lambda: False
+platform_device.importlib.util.find_spec = lambda name: object() if name == "torch_npu" else None
+platform_device.detect_device_type.cache_clear()
+'''
 
 
-def test_npu_is_detected_and_uses_hccl(fake_npu, monkeypatch):
-    assert platform_device.device_type() == "npu"
-    assert platform_device.collective_backend() == "hccl"
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    assert parallel.bind_local_device("npu") == torch.device("npu", 3)
-    assert fake_npu.devices_set == [3]
-    assert platform_device.current_device() == torch.device("npu", 3)
+def _with_npu_double(body: str, **env: str) -> None:
+    """Run `body` after the NPU double is installed, in a fresh interpreter; its asserts fail the test."""
+    environ = {k: v for k, v in os.environ.items() if k != "OPKD_DEVICE"}
+    proc = subprocess.run([sys.executable, "-c", NPU_DOUBLE + textwrap.dedent(body)], cwd=ROOT,
+                          env={**environ, "PYTHONPATH": ROOT, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-class _StopBeforeProcessGroup(Exception):
-    pass
+def test_npu_is_detected_and_uses_hccl():
+    _with_npu_double("""
+        assert platform_device.device_type() == "npu"
+        assert platform_device.collective_backend() == "hccl"
+        assert parallel.bind_local_device("npu") == torch.device("npu", 3)
+        assert fake_npu.devices_set == [3]
+        assert platform_device.current_device() == torch.device("npu", 3)
+    """, LOCAL_RANK="3")
 
 
-def test_init_parallel_on_npu_leaves_cpu_emulation_off(fake_npu, monkeypatch):
-    def stop(backend, timeout):
-        assert backend == "hccl"
-        raise _StopBeforeProcessGroup
+def test_init_parallel_on_npu_leaves_cpu_emulation_off():
+    _with_npu_double("""
+        class StopBeforeProcessGroup(Exception):
+            pass
 
-    monkeypatch.setattr(parallel, "_init_process_group", stop)
-    with pytest.raises(_StopBeforeProcessGroup):
-        parallel.init_parallel(ParallelConfig())
-    assert not megatron_cpu.is_enabled()
+        def stop(backend, timeout):
+            assert backend == "hccl"
+            raise StopBeforeProcessGroup
+
+        parallel._init_process_group = stop
+        try:
+            parallel.init_parallel(ParallelConfig())
+            raise AssertionError("init_parallel went past the process group")
+        except StopBeforeProcessGroup:
+            pass
+        assert not megatron_cpu.is_enabled()
+    """)
 
 
 def test_device_override_and_bad_value(monkeypatch):

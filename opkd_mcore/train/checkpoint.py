@@ -330,6 +330,8 @@ RESUMABLE_KEYS = (
     "logging.*", "checkpoint.*",
     "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep", "parallel.etp",
     "parallel.world_size",
+    # memory levers: recompute gives the same numbers, sequence parallelism reorders TP's reductions only
+    "parallel.recompute", "parallel.sequence_parallel",
     "teacher.teachers.*.url", "teacher.teachers.*.replica_urls", "teacher.teachers.*.offload",
     "weight_sync.host", "weight_sync.bucket_mb", "weight_sync.transport", "weight_sync.tp_export",
     "weight_sync.high_priority_stream",
