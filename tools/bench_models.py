@@ -58,6 +58,9 @@ def parse_args():
                    help="--moe: comma-separated experts implementations (model.moe_experts: auto, "
                         "te_grouped, torch_grouped, sequential), timed one after the other on the same "
                         "shape and batches, one table row each")
+    p.add_argument("--profile", default=None,
+                   help="--moe: trace one more step of each implementation; operators by GPU time into "
+                        "PREFIX_<impl>.txt (rank 0)")
     args = p.parse_args()
     if args.moe:  # the Qwen3-30B-A3B attention shape unless given on the command line
         for key, value in (("heads", 32), ("kv_heads", 4), ("layers", 8)):

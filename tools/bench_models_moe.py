@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 from bench_common import record, run_metadata, time_it  # tools/ is on the path: bench_models.py runs this
+
+from opkd_mcore.platform.profiling import profiled
 
 
 def _peak_memory_gib(on_gpu: bool) -> float:
@@ -106,6 +109,12 @@ def _run_one(args, ep: int, moe_experts: str) -> dict:
         metrics.update(engine.train_step(batches, loss_fn))
 
     timing = time_it(step, args.warmup, args.steps, torch.cuda.synchronize if on_gpu else None)
+    if args.profile:  # every rank runs the step (collectives); rank 0 writes its table
+        with profiled(f"{args.profile}_{moe_experts}" if dist.get_rank() == 0 else
+                      os.path.join(tempfile.mkdtemp(), "rank"), trace=False):
+            step()
+            if on_gpu:
+                torch.cuda.synchronize()
     peak = torch.tensor([_peak_memory_gib(on_gpu)], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     tokens = args.seq * args.micro_batch * dp

@@ -28,14 +28,15 @@ def _activities() -> tuple[list[ProfilerActivity], str]:
 
 
 @contextlib.contextmanager
-def profiled(path_prefix: str):
-    """Profile the block; write `<path_prefix>.json` (Chrome / Perfetto trace) and `<path_prefix>.txt`
-    (the operators by self time on the device, or on the host on CPU)."""
+def profiled(path_prefix: str, trace: bool = True):
+    """Profile the block; write `<path_prefix>.txt` (the operators by self time on the device, or on
+    the host on CPU) and, with `trace`, `<path_prefix>.json` (Chrome / Perfetto trace)."""
     activities, sort_by = _activities()
     os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
     with profile(activities=activities, record_shapes=True) as prof:
         yield
-    prof.export_chrome_trace(f"{path_prefix}.json")
+    if trace:
+        prof.export_chrome_trace(f"{path_prefix}.json")
     with open(f"{path_prefix}.txt", "w") as f:
         f.write(prof.key_averages().table(sort_by=sort_by, row_limit=_ROWS))
         f.write("\n")

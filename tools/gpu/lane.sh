@@ -36,6 +36,9 @@
 #   bash tools/gpu/lane.sh moe            # MoE student at EP=2 (2 GPUs): SequentialMLP, torch and TE grouped
 #                                         # experts side by side (MOE_EXPERTS=a,b to choose; te_grouped
 #                                         # needs TE: ../shared/device/te-bundle.sh)
+#   NPROC=4 bash tools/gpu/lane.sh moe    # the same at EP=4 (4 GPUs)
+#   bash tools/gpu/lane.sh cp_long        # 32K tokens at CP=2 (GPUs 0-1), then 64K at CP=4 (4 GPUs); TE
+#   bash tools/gpu/lane.sh memory_levers  # recompute none/selective/full (1 GPU), TP=2 with/without SP (2); TE
 #   bash tools/gpu/lane.sh steps          # the four Ray schedules (2 GPUs: student | rollout + teacher; Ray carried)
 #   bash tools/gpu/lane.sh controller2    # the Ray controller's GPU test (2 GPUs, Ray carried)
 #   bash tools/gpu/lane.sh steps1         # sync under Ray on 1 GPU, all colocated (controller.placement=colocated)
@@ -228,10 +231,14 @@ case "${1:-}" in
     python3 -m torch.distributed.run --nproc_per_node 2 tools/bench_kernels.py --mode lm_head \
         --out "$OUT/lm_head_tp2.json" --results "$OUT/results.jsonl" > "$OUT/lm_head_tp2.log" 2>&1
     tail -45 "$OUT/lm_head_tp2.log" ;;
-  moe)  # a Qwen3-30B-A3B-shaped MoE student with fewer layers at EP=2 (2 GPUs)
-    python3 -m torch.distributed.run --nproc_per_node 2 tools/bench_models.py --moe --layers 8 --seq 4096 \
-        --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" \
-        --out "$OUT/moe.json" --results "$OUT/results.jsonl" > "$OUT/moe.log" 2>&1; grep "^|" "$OUT/moe.log" ;;
+  moe)  # a Qwen3-30B-A3B-shaped MoE student with fewer layers at EP=2 (2 GPUs; EP=4 with NPROC=4);
+        # PROFILE=1 traces one more step of each implementation into $OUT/moe<N>_profile_<impl>.txt
+    n=${NPROC:-2}
+    python3 -m torch.distributed.run --standalone --nproc_per_node "$n" tools/bench_models.py --moe --layers 8 \
+        --seq 4096 --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" \
+        ${PROFILE:+--profile "$OUT/moe${n}_profile"} \
+        --out "$OUT/moe$n.json" --results "$OUT/results.jsonl" > "$OUT/moe$n.log" 2>&1
+    grep "^|" "$OUT/moe$n.log" || tail -20 "$OUT/moe$n.log" ;;
   moe1)  # the same MoE student at EP=1 on one GPU: half the layers, to fit its optimizer state
     python3 -m torch.distributed.run --nproc_per_node 1 tools/bench_models.py --moe --layers 4 --seq 4096 \
         --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" \
@@ -269,5 +276,25 @@ case "${1:-}" in
     # the tool keeps actors' output off the driver: a failed start's root cause is in their logs
     [ -s "$OUT/bench_step.json" ] || (cd /tmp/ray/session_latest/logs && tail -n 60 worker-*.err > "$OUT/ray_workers.err")
     pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|[r]ay::' ;;  # a timed-out run leaves Ray holding GPUs
+  cp_long)  # long responses under context parallelism (TE): one 32K-token sequence at CP=2 on GPUs 0-1,
+            # then 64K at CP=4 on 4 GPUs (qwen3-1.7b student, top-64 teacher, fused loss, Adam);
+            # CP_RUNS="CP:TOKENS ..." picks the runs
+    for run in ${CP_RUNS:-2:32768 4:65536}; do
+      set -- ${run%%:*} ${run#*:}
+      python3 -m torch.distributed.run --standalone --nproc_per_node "$1" tools/bench_train_step.py \
+          --shape "${SHAPE:-qwen3-1.7b}" --cp "$1" --seq-len "$2" --impls fused --iters 3 \
+          --out "$OUT/cp$1_$2.json" --results "$OUT/results.jsonl" > "$OUT/cp$1_$2.log" 2>&1
+      grep -B1 -A3 "^| loss impl" "$OUT/cp$1_$2.log" || tail -20 "$OUT/cp$1_$2.log"
+    done ;;
+  memory_levers)  # peak memory against step time: recompute none / selective / full on one GPU, then TP=2
+                  # without and with sequence parallelism (TE) on two (qwen3-1.7b, 16K tokens, fused loss)
+    for run in "1 none" "1 selective" "1 full" "2 none" "2 none --sequence-parallel"; do
+      set -- $run
+      tag="tp$1_$2${3:+_sp}"
+      python3 -m torch.distributed.run --standalone --nproc_per_node "$1" tools/bench_train_step.py \
+          --shape "${SHAPE:-qwen3-1.7b}" --tokens 16384 --seq 256 --recompute "$2" ${3:-} --impls fused \
+          --iters 3 --out "$OUT/levers_$tag.json" --results "$OUT/results.jsonl" > "$OUT/levers_$tag.log" 2>&1
+      grep -A2 "^| loss impl" "$OUT/levers_$tag.log" | tail -1 | sed "s/^/$tag /" || tail -5 "$OUT/levers_$tag.log"
+    done ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
