@@ -231,14 +231,16 @@ case "${1:-}" in
     python3 -m torch.distributed.run --nproc_per_node 2 tools/bench_kernels.py --mode lm_head \
         --out "$OUT/lm_head_tp2.json" --results "$OUT/results.jsonl" > "$OUT/lm_head_tp2.log" 2>&1
     tail -45 "$OUT/lm_head_tp2.log" ;;
-  moe)  # a Qwen3-30B-A3B-shaped MoE student with fewer layers at EP=2 (2 GPUs; EP=4 with NPROC=4);
-        # PROFILE=1 traces one more step of each implementation into $OUT/moe<N>_profile_<impl>.txt
+  moe)  # a Qwen3-30B-A3B-shaped MoE student with fewer layers at EP=2 (2 GPUs; EP=4 with NPROC=4), one
+        # process per experts implementation (a process's allocator keeps its cache: a peak measured after
+        # another model would include it); PROFILE=1 traces one more step into $OUT/moe<N>_profile_<impl>.txt
     n=${NPROC:-2}
-    python3 -m torch.distributed.run --standalone --nproc_per_node "$n" tools/bench_models.py --moe --layers 8 \
-        --seq 4096 --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" \
-        ${PROFILE:+--profile "$OUT/moe${n}_profile"} \
-        --out "$OUT/moe$n.json" --results "$OUT/results.jsonl" > "$OUT/moe$n.log" 2>&1
-    grep "^|" "$OUT/moe$n.log" || tail -20 "$OUT/moe$n.log" ;;
+    for impl in $(echo "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" | tr , ' '); do
+      python3 -m torch.distributed.run --standalone --nproc_per_node "$n" tools/bench_models.py --moe --layers 8 \
+          --seq 4096 --moe-experts "$impl" ${PROFILE:+--profile "$OUT/moe${n}_profile"} \
+          --out "$OUT/moe${n}_$impl.json" --results "$OUT/results.jsonl" > "$OUT/moe${n}_$impl.log" 2>&1
+      grep "^| [a-zA-Z]" "$OUT/moe${n}_$impl.log" | tail -1 || tail -20 "$OUT/moe${n}_$impl.log"
+    done ;;
   moe1)  # the same MoE student at EP=1 on one GPU: half the layers, to fit its optimizer state
     python3 -m torch.distributed.run --nproc_per_node 1 tools/bench_models.py --moe --layers 4 --seq 4096 \
         --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" \
