@@ -39,6 +39,7 @@
 #   NPROC=4 bash tools/gpu/lane.sh moe    # the same at EP=4 (4 GPUs)
 #   bash tools/gpu/lane.sh cp_long        # 32K tokens at CP=2 (GPUs 0-1), then 64K at CP=4 (4 GPUs); TE
 #   bash tools/gpu/lane.sh memory_levers  # recompute none/selective/full (1 GPU), TP=2 with/without SP (2); TE
+#   bash tools/gpu/lane.sh fusions        # the engine step with Megatron's fused SwiGLU / RoPE off and on (1 GPU)
 #   bash tools/gpu/lane.sh steps          # the four Ray schedules (2 GPUs: student | rollout + teacher; Ray carried)
 #   bash tools/gpu/lane.sh controller2    # the Ray controller's GPU test (2 GPUs, Ray carried)
 #   bash tools/gpu/lane.sh steps1         # sync under Ray on 1 GPU, all colocated (controller.placement=colocated)
@@ -297,6 +298,12 @@ case "${1:-}" in
           --shape "${SHAPE:-qwen3-1.7b}" --tokens 16384 --seq 256 --recompute "$2" ${3:-} --impls fused \
           --iters 3 --out "$OUT/levers_$tag.json" --results "$OUT/results.jsonl" > "$OUT/levers_$tag.log" 2>&1
       grep -A2 "^| loss impl" "$OUT/levers_$tag.log" | tail -1 | sed "s/^/$tag /" || tail -5 "$OUT/levers_$tag.log"
+    done ;;
+  fusions)  # the engine's packed step with Megatron's fused SwiGLU and fused RoPE off (opkd's build) and on
+    for f in "" --fusions; do
+      python3 tools/bench_train_step.py --shape "${SHAPE:-qwen3-0.6b}" --tokens 16384 --seq 256 --k 64 --impls fused \
+          --iters 5 $f --out "$OUT/fusions${f:+_on}.json" --results "$OUT/results.jsonl" > "$OUT/fusions${f:+_on}.log" 2>&1
+      grep -A2 "^| loss impl" "$OUT/fusions${f:+_on}.log" | tail -1 | sed "s/^/fusions${f:+ on} /" || tail -5 "$OUT/fusions${f:+_on}.log"
     done ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
