@@ -114,11 +114,7 @@ def test_bench_weight_sync_row_verifies_the_copy_and_orders_both_ends_marks(tmp_
 
 
 def test_step_table_means_after_the_warm_up_step(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "tools", "gpu"))
-    try:
-        import step_table
-    finally:
-        sys.path.pop(0)
+    step_table = _step_table()
     path = tmp_path / "metrics.jsonl"
     rows = [{"timing/step": 9.0, "timing/rollout": 5.0, "train/loss": 0.9, "perf/tokens_per_s": 10.0},
             {"timing/step": 3.0, "timing/rollout": 1.0, "timing/train": 1.5, "train/loss": 0.5,
@@ -133,6 +129,71 @@ def test_step_table_means_after_the_warm_up_step(tmp_path):
     assert "no steps" in step_table.summarize(str(path), skip=3)
     with pytest.raises(FileNotFoundError):
         step_table.summarize(str(tmp_path / "missing.jsonl"), skip=0)
+
+
+def _step_table():
+    sys.path.insert(0, os.path.join(ROOT, "tools", "gpu"))
+    try:
+        import step_table
+    finally:
+        sys.path.pop(0)
+    return step_table
+
+
+# Qwen3 model cards: parameters, and parameters without the input embedding and the output layer
+CARD_PARAMS = {"qwen3-8b": (8.2e9, 6.95e9), "qwen3-14b": (14.8e9, 13.2e9), "qwen3-32b": (32.8e9, 31.2e9)}
+
+
+@pytest.mark.parametrize("shape", sorted(CARD_PARAMS))
+def test_named_shapes_have_the_model_cards_sizes(tmp_path, shape):
+    """The shapes `tools/make_model.py` writes for the 4-GPU run have the real checkpoints' sizes
+    (the published counts, to their 3 digits) and RoPE base, and the step table's N for MFU is the
+    matmul weights: the card's non-embedding count plus one output layer."""
+    from opkd_mcore.models.tiny import NAMED_SHAPES, tiny_hf_config
+
+    tiny_hf_config("qwen3", NAMED_SHAPES[shape]).to_json_file(str(tmp_path / "config.json"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 1e6 and config["rms_norm_eps"] == 1e-6
+    assert config["max_position_embeddings"] == 40960 and config["tie_word_embeddings"] is False
+    total, matmul = _step_table().model_params(str(tmp_path))
+    embedding = config["vocab_size"] * config["hidden_size"]
+    card_total, card_body = CARD_PARAMS[shape]
+    assert total == pytest.approx(card_total, rel=5e-3)
+    assert matmul - embedding == pytest.approx(card_body, rel=5e-3)
+
+
+def test_step_table_per_gpu_figures_and_the_steps_window(tmp_path, capsys):
+    step_table = _step_table()
+    model = tmp_path / "model"
+    model.mkdir()
+    # 2 layers of h=4, 2 heads of 2, 1 KV head, FFN 8, vocab 10, untied: q, o 16 each, k, v 8 each, MLP 96:
+    # 2*144 + the output layer's 40 = 328 matmul weights, and the input embedding's 40 more
+    (model / "config.json").write_text(json.dumps(
+        {"hidden_size": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 2,
+         "intermediate_size": 8, "num_hidden_layers": 2, "vocab_size": 10, "tie_word_embeddings": False}))
+    assert step_table.model_params(str(model)) == (368, 328)
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"timing/step": 50.0, "timing/train": 40.0, "rollout/response_tokens": 1.0},
+            {"timing/step": 10.0, "timing/train": 4.0, "rollout/response_tokens": 4e12},
+            {"timing/step": 6.0, "timing/train": 2.0, "rollout/response_tokens": 2e12}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # the two steps after the warm-up end at t=100 and lasted 16 s: samples in [84, 100] count
+    smi = [(83.9, 0, 100.0, 90 * 1024.0), (84.0, 0, 50.0, 10 * 1024.0), (99.0, 0, 70.0, 20 * 1024.0),
+           (90.0, 1, 30.0, 5 * 1024.0), (100.5, 1, 100.0, 70 * 1024.0)]
+    line = step_table.efficiency(str(path), 1, gpus=2, n_student=1, n_teacher=3, peak_tflops=100.0,
+                                 smi=smi, end=100.0)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # 6e12 tokens: /16 s /2 GPUs; /6 s /2 GPUs; (6*1 + 2*3) FLOPs a token: 12 * 6e12 / 6 / 2 = 6 TFLOP/s
+    assert cells == ["metrics.jsonl", "2", "2", "8.00", str(round(6e12 / 16 / 2)), str(round(6e12 / 6 / 2)),
+                     "6", "6.0%", "60 / 30", "20.0 / 5.0"]
+    smi_file = tmp_path / "gpus.smi"
+    smi_file.write_text("".join(f"{t}, {i}, {u}, {m}\n" for t, i, u, m in smi) + "101.0, 0, [N/A], 1\n")
+    assert step_table.read_smi(str(smi_file)) == smi
+    os.utime(path, (100.0, 100.0))
+    step_table.main([str(path), "--gpus", "2", "--student", str(model), "--smi", str(smi_file)])
+    out = capsys.readouterr().out
+    assert "| metrics.jsonl | 2 | 2 | 8.00 |" in out and "| 60 / 30 | 20.0 / 5.0 |" in out
+    assert "N student 0.00B, N teacher 0.00B, peak 989 TFLOP/s per GPU" in out
 
 
 @pytest.mark.slow

@@ -91,6 +91,38 @@ def test_shipped_configs_validate(tmp_path, monkeypatch):
     assert (gpu.loss.support, gpu.loss.mass) == (demo.loss.support, demo.loss.mass)
 
 
+def test_four_gpu_config_passes_the_start_up_checks_on_its_model_shapes(tmp_path, monkeypatch):
+    """configs/gpu_qwen3_8b_from_14b_x4.yaml over config.json files of the shapes the GPU lane writes
+    (no weights) passes `opkd train --check`'s checks: TP=2 divides both models' heads, PP=2 both
+    models' layers (the in-step teacher is built on the student's stages), 4 ranks hold one replica."""
+    from opkd_mcore.data import ALPHABET
+    from opkd_mcore.models.tiny import NAMED_SHAPES, make_char_tokenizer, tiny_hf_config
+    from opkd_mcore.train.preflight import PreflightError, preflight
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dirs = {}
+    for shape in ("qwen3-8b", "qwen3-14b"):
+        dirs[shape] = tmp_path / shape
+        dirs[shape].mkdir()
+        tiny_hf_config("qwen3", NAMED_SHAPES[shape]).to_json_file(str(dirs[shape] / "config.json"))
+    make_char_tokenizer(ALPHABET).save_pretrained(str(dirs["qwen3-8b"]))
+    path = os.path.join(ROOT, "configs", "gpu_qwen3_8b_from_14b_x4.yaml")
+    models = [f"model.student={dirs['qwen3-8b']}", f"teacher.teachers.0.model={dirs['qwen3-14b']}",
+              f"run.output_dir={tmp_path / 'run'}"]
+    cfg = load_config(path, models)
+    preflight(cfg, probe_servers=False)
+    par, (teacher,) = cfg.parallel, cfg.teacher.teachers
+    assert (par.tp, par.pp, par.world_size, par.recompute) == (2, 2, 4, "full")
+    assert teacher.backend == "megatron" and cfg.loss.support is None and cfg.optim.use_distributed_optimizer
+    assert par.global_batch_size == cfg.rollout.prompts_per_step * cfg.rollout.n == 128
+    with pytest.raises(ConfigError, match=r"tp\*pp\*cp = 4 does not divide the world size 2"):
+        load_config(path, models + ["parallel.world_size=2"])
+    # the student's 36 layers split in 3 stages, the teacher's 40 do not
+    with pytest.raises(PreflightError, match="teacher.teachers.0.model"):
+        preflight(load_config(path, models + ["parallel.tp=1", "parallel.pp=3", "parallel.world_size=3"]),
+                  probe_servers=False)
+
+
 @pytest.mark.parametrize("overrides, key_path, fragment", [
     (["loss.divergnce=jsd"], "loss.divergnce", "unknown key"),
     (["optimizer.lr=1"], "optimizer", "unknown key"),

@@ -52,22 +52,30 @@ class TinyModelShape:
     extra: dict = field(default_factory=dict)  # family-specific config overrides
 
 
-# Real model shapes (random weights: nothing can be downloaded where the benchmarks run)
+# Real model shapes (random weights: nothing can be downloaded where the benchmarks run), from the
+# checkpoints' config.json. Qwen3's RoPE base is 1e6 (transformers' default is 1e4); RMSNorm eps 1e-6
+# and max_position_embeddings 40960 are the defaults here and there.
+_QWEN3_ROPE = dict(rope_theta=1_000_000.0)
 NAMED_SHAPES = {
     "qwen3-0.6b": TinyModelShape(vocab_size=151936, hidden_size=1024, num_layers=28, num_attention_heads=16,
                                  num_key_value_heads=8, head_dim=128, intermediate_size=3072,
-                                 max_position_embeddings=40960, tie_word_embeddings=True),
+                                 max_position_embeddings=40960, tie_word_embeddings=True, extra=_QWEN3_ROPE),
     "qwen3-1.7b": TinyModelShape(vocab_size=151936, hidden_size=2048, num_layers=28, num_attention_heads=16,
                                  num_key_value_heads=8, head_dim=128, intermediate_size=6144,
-                                 max_position_embeddings=40960, tie_word_embeddings=True),
+                                 max_position_embeddings=40960, tie_word_embeddings=True, extra=_QWEN3_ROPE),
     "qwen3-4b": TinyModelShape(vocab_size=151936, hidden_size=2560, num_layers=36, num_attention_heads=32,
                                num_key_value_heads=8, head_dim=128, intermediate_size=9728,
-                               max_position_embeddings=40960, tie_word_embeddings=True),
+                               max_position_embeddings=40960, tie_word_embeddings=True, extra=_QWEN3_ROPE),
     "qwen3-8b": TinyModelShape(vocab_size=151936, hidden_size=4096, num_layers=36, num_attention_heads=32,
                                num_key_value_heads=8, head_dim=128, intermediate_size=12288,
-                               max_position_embeddings=40960),
+                               max_position_embeddings=40960, extra=_QWEN3_ROPE),
+    "qwen3-14b": TinyModelShape(vocab_size=151936, hidden_size=5120, num_layers=40, num_attention_heads=40,
+                                num_key_value_heads=8, head_dim=128, intermediate_size=17408,
+                                max_position_embeddings=40960, extra=_QWEN3_ROPE),
+    "qwen3-32b": TinyModelShape(vocab_size=151936, hidden_size=5120, num_layers=64, num_attention_heads=64,
+                                num_key_value_heads=8, head_dim=128, intermediate_size=25600,
+                                max_position_embeddings=40960, extra=_QWEN3_ROPE),
 }
-
 
 def make_char_tokenizer(alphabet: str):
     """A character-level `PreTrainedTokenizerFast`: ids 0..2 are <pad>, <bos>, <eos>, then `alphabet`.

@@ -48,6 +48,8 @@
 #   bash tools/gpu/lane.sh rollout_graphs # the same engine in-process with CUDA graphs (enforce_eager=false)
 #   bash tools/gpu/lane.sh teacher_device # in-process teacher: prompt_logprobs vs device top-k vs hidden
 #   bash tools/gpu/lane.sh teacher_hidden # a served teacher: top-64 rows vs hidden states, bytes and tokens/s
+#   bash tools/gpu/lane.sh train4         # 4 GPUs: Qwen3-8B-shaped student at TP=2 x PP=2, dense 14B Megatron
+#                                         # teacher in the step; tokens/s per GPU, MFU, utilization, memory
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -305,5 +307,37 @@ case "${1:-}" in
           --iters 5 $f --out "$OUT/fusions${f:+_on}.json" --results "$OUT/results.jsonl" > "$OUT/fusions${f:+_on}.log" 2>&1
       grep -A2 "^| loss impl" "$OUT/fusions${f:+_on}.log" | tail -1 | sed "s/^/fusions${f:+ on} /" || tail -5 "$OUT/fusions${f:+_on}.log"
     done ;;
+  train4)  # 4 GPUs: configs/gpu_qwen3_8b_from_14b_x4.yaml (the student at TP=2 x PP=2, the dense
+           # Qwen3-14B-shaped Megatron teacher in its step, the engine beside rank 0), its checkpoints
+           # made first if missing; the run stops at TRAIN4_BUDGET s (540) from the step's start, so its
+           # figures come back within one call. Then the step table, per GPU: tokens/s, MFU,
+           # utilization and peak memory
+    SECONDS=0; t=${TAG:-}; log="$OUT/train4$t"
+    # both checkpoints at once on GPUs 0 and 1 (16 + 30 GB); the tokenizer is written last, so a directory
+    # a stopped call left half-written is made again
+    for gpu in 0 1; do
+      shape=qwen3-8b; [ $gpu = 1 ] && shape=qwen3-14b
+      [ -f /tmp/models/$shape/tokenizer_config.json ] && continue
+      CUDA_VISIBLE_DEVICES=$gpu python3 tools/make_model.py --shape $shape --out /tmp/models/$shape \
+          --seed $((gpu + 1)) --device cuda > "$OUT/make_$shape.log" 2>&1 &
+    done
+    wait
+    echo "models ready after $SECONDS s"
+    # every GPU's utilization and memory twice a second, stamped with the epoch (step_table.py --smi)
+    nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 500 \
+        | while IFS= read -r line; do e=${EPOCHREALTIME:-$(date +%s.%N)}; echo "${e/,/.}, $line"; done \
+        > "$log.smi" &
+    sampler=$!
+    gpu_memory_log "$log.log" timeout -s INT -k 30 $(( ${TRAIN4_BUDGET:-540} - SECONDS )) \
+        python3 -m torch.distributed.run --nproc_per_node 4 -m opkd_mcore.cli train \
+        --config configs/gpu_qwen3_8b_from_14b_x4.yaml --overwrite run.output_dir=/tmp/runs/t4$t "${@:2}" \
+        > "$log.log" 2>&1  # --overwrite: a second call on a warm machine replaces the first one's run
+    kill $sampler 2>/dev/null
+    echo "run ended after $SECONDS s"
+    grep "peak GPU memory" "$log.log" | tail -n 1
+    # -p keeps the file's mtime: the end of the last step, where the table's utilization window ends
+    cp -p /tmp/runs/t4$t/metrics.jsonl "${log}_metrics.jsonl" || { tail -n 40 "$log.log"; exit 1; }
+    python3 tools/gpu/step_table.py "${log}_metrics.jsonl" --gpus 4 --student /tmp/models/qwen3-8b \
+        --teacher /tmp/models/qwen3-14b --smi "$log.smi" | tee "$log.table" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
