@@ -153,6 +153,8 @@ def test_four_gpu_config_passes_the_start_up_checks_on_its_model_shapes(tmp_path
     (["teacher.teachers.0.model=/no/such/dir"], "teacher.teachers.0.model", "no HF checkpoint"),
     (["model.student=/no/such/dir"], "model.student", "no HF checkpoint"),
     (["rollout.max_new_tokens=300"], "rollout.max_new_tokens", "max_model_len"),
+    (["rollout.sample_seeds=batch"], "rollout.sample_seeds", "expected one of"),
+    (["rollout.engine_in_process=true"], "rollout.engine_in_process", "controller.kind: ray"),
     (["optim.min_lr=1.0"], "optim.min_lr", "min_lr"),
     (["data.task=null"], "data.train_path", "synthetic"),
     (["data.train_path=prompts.csv"], "data.train_path", ".jsonl or .parquet"),

@@ -1,20 +1,41 @@
-"""Rollout generate time of one vLLM engine: in this process vs inside a Ray actor, sleep mode off/on.
+"""Rollout generate time of one vLLM engine: where it runs, sleep mode, and the rollout's engine modes
+side by side with TRL's way of building vLLM.
 
     python tools/bench_rollout.py --model /tmp/models/qwen3-0.6b [--prompts 32 --n 4 --max-new-tokens 256]
-        [--modes inprocess,inprocess_sleep,ray_sleep] [--json out.json] [--results runs.jsonl]
+        [--modes inprocess,inprocess_sleep,ray_sleep] [--cuda-graphs] [--json out.json] [--results runs.jsonl]
+    python tools/bench_rollout.py --model /tmp/models/qwen3-0.6b --modes ab --cuda-graphs   # the A/B set
 
-The engine alone, apart from the rest of a step: whether it generates slower inside the Ray
-controller's rollout actor than in the trainer's process, and what sleep mode or CUDA graphs
-(`--cuda-graphs`) cost. The same `build_rollout` the trainer and the controller's rollout actors
-use, the same seeded batch, timed per `generate` call (the first call of each mode warms up). The Ray
-mode reserves what the controller's colocated rollout actor reserves (`controller.cpus_per_worker`
-CPUs, a share of the device), and runs as a threaded actor as the controller's does.
+The engine alone, apart from the rest of a step, the same seeded batch, timed per `generate` call (the
+first call of each mode warms up). Modes:
+
+  inprocess, inprocess_sleep  the trainer's `build_rollout` in this process (sleep mode off / on, a
+                              sleep/wake cycle before the last call)
+  ray_sleep                   the same inside a threaded Ray actor reserving what the controller's
+                              colocated rollout actor reserves (`controller.cpus_per_worker` CPUs, a
+                              share of the device)
+
+and the A/B set (`--modes ab`), each in a fresh process of its own, one engine at a time:
+
+  opkd                    `build_rollout` as `opkd train` builds it: a seeded request per sample, the
+                          engine core in a process of its own, no detokenizing
+  opkd_detokenize         the same, vLLM also decoding every response to text (the former default)
+  engine_seeds            rollout.sample_seeds=engine: a prompt's n samples are one request drawn
+                          from the engine's stream (one noise kernel per decode step, not one per request)
+  core_in_process         rollout.engine_in_process: engine core and worker in this process
+  engine_seeds_in_process both
+  v2_runner               `opkd`, with VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's batched per-request seeds)
+  trl                     a plain `vllm.LLM` built as TRL 1.16's colocated generation builds it
+                          (`trl/generation/vllm_generation.py`: external_launcher, max_num_batched_tokens
+                          4096, processed logprobs, engine seed, prompts repeated n times as token ids,
+                          n=1, logprobs=0, detokenizing, use_tqdm off, its logprob extraction timed too)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 
@@ -22,7 +43,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, 
 
 from bench_common import add_results_argument, percentiles, record, run_metadata  # noqa: E402
 
-MODES = ("inprocess", "inprocess_sleep", "ray_sleep")
+# mode -> how its engine differs from `build_rollout` of the GPU config's rollout settings
+MODES = {
+    "inprocess": {},
+    "inprocess_sleep": {"sleep": True},
+    "ray_sleep": {"sleep": True, "ray": True},
+    "opkd": {"child": True},
+    "opkd_detokenize": {"child": True, "detokenize": True},
+    "engine_seeds": {"child": True, "overrides": ["rollout.sample_seeds=engine"]},
+    "core_in_process": {"child": True, "overrides": ["rollout.engine_in_process=true"]},
+    "engine_seeds_in_process": {"child": True, "overrides": ["rollout.sample_seeds=engine",
+                                                             "rollout.engine_in_process=true"]},
+    # optional: a vLLM without the V2 runner for this platform refuses it (the row says so)
+    "v2_runner": {"child": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "optional": True},
+    "trl": {"child": True, "trl": True},
+}
+AB_MODES = ("trl", "opkd", "opkd_detokenize", "engine_seeds", "core_in_process", "engine_seeds_in_process",
+            "v2_runner")
+CHILD_MARK = "BENCH_ROLLOUT_CHILD "
 
 
 def parse_args(argv=None):
@@ -33,33 +71,45 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     p.add_argument("--calls", type=int, default=3, help="generate calls per mode (the first warms up)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.2, help="the engine's device share")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    p.add_argument("--modes", default="inprocess,inprocess_sleep,ray_sleep",
+                   help=f"comma-separated, of {tuple(MODES)}; `ab` = {','.join(AB_MODES)}")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="capture CUDA graphs (rollout.enforce_eager=false); default: eager, as configured")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # one A/B mode, in a process of its own
     p.add_argument("--json", help="write the results here")
     add_results_argument(p)
     return p.parse_args(argv)
 
 
-def generate_times(model: str, sleep: bool, prompts: int, n: int, max_new: int, calls: int,
-                   memory: float, eager: bool = True) -> dict:
-    """Seconds of each `generate` call of one engine (a sleep/wake cycle before the last when `sleep`).
-    Timed by hand, not by `bench_common.time_it`: this runs inside a Ray actor too, whose worker process
-    cannot import modules from tools/ (the driver reduces the seconds to percentiles)."""
-    import torch
+def prompt_batch(model: str, prompts: int) -> list[list[int]]:
+    """Distinct 5-token prompts (the same for every mode)."""
     from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    return [[1 + (7 * i + j) % (vocab - 1) for j in range(5)] for i in range(prompts)]
+
+
+def generate_times(model: str, mode: str, prompts: int, n: int, max_new: int, calls: int,
+                   memory: float, eager: bool = True) -> dict:
+    """Seconds of each `generate` call of one engine (a sleep/wake cycle before the last when the mode
+    sleeps). Timed by hand, not by `bench_common.time_it`: this runs inside a Ray actor too, whose worker
+    process cannot import modules from tools/ (the driver reduces the seconds to percentiles)."""
+    import torch
 
     from opkd_mcore.config import load_config
     from opkd_mcore.rollout.config import SamplingConfig
     from opkd_mcore.train.components import build_rollout
 
+    spec = MODES[mode]
+    sleep = spec.get("sleep", False)
     cfg = load_config(None, [f"model.student={model}", "model.params_dtype=bfloat16",
                              f"rollout.max_model_len={max_new + 64}",
                              f"rollout.gpu_memory_utilization={memory}",
-                             f"rollout.enforce_eager={str(eager).lower()}"], validate=False)
-    vocab = AutoConfig.from_pretrained(model).vocab_size
+                             f"rollout.enforce_eager={str(eager).lower()}", *spec.get("overrides", [])],
+                      validate=False)
     engine = build_rollout(cfg, sleep_mode=sleep)
-    batch = [[1 + (7 * i + j) % (vocab - 1) for j in range(5)] for i in range(prompts)]  # distinct prompts
+    engine.cfg.detokenize = spec.get("detokenize", False)
+    batch = prompt_batch(model, prompts)
     sampling = SamplingConfig(n=n, max_new_tokens=max_new)
     seconds, tokens = [], 0
     try:
@@ -75,6 +125,55 @@ def generate_times(model: str, sleep: bool, prompts: int, n: int, max_new: int, 
         engine.shutdown()
     return {"seconds": seconds, "tokens": tokens, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torch_threads": torch.get_num_threads()}
+
+
+def trl_generate_times(model: str, prompts: int, n: int, max_new: int, calls: int, memory: float,
+                       eager: bool = True) -> dict:
+    """The same batch through a `vllm.LLM` configured as TRL 1.16's colocated `VLLMGeneration` builds it
+    (its own process: external_launcher sets this process's torch.distributed world and vLLM's mode)."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    llm = LLM(model=model, tensor_parallel_size=1, gpu_memory_utilization=memory, max_model_len=max_new + 64,
+              max_num_seqs=None, enable_sleep_mode=False, model_impl="auto",
+              distributed_executor_backend="external_launcher", seed=0, max_num_batched_tokens=4096,
+              logprobs_mode="processed_logprobs", quantization=None, trust_remote_code=False,
+              enforce_eager=eager)
+    params = SamplingParams(n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
+                            max_tokens=max_new, logprobs=0)
+    inputs = [{"prompt_token_ids": ids} for ids in prompt_batch(model, prompts) for _ in range(n)]
+    seconds, tokens = [], 0
+    for _ in range(calls):
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, sampling_params=params, use_tqdm=False)
+        completions = [o.token_ids for out in outputs for o in out.outputs]
+        # trl's extract_logprobs, less its NaN check
+        logprobs = [[[v.logprob for _, v in sorted(lp.items(), key=lambda kv: kv[1].rank)]
+                     for lp in o.logprobs] for out in outputs for o in out.outputs]
+        seconds.append(time.perf_counter() - start)
+        tokens = sum(len(c) for c in completions)
+        assert len(logprobs) == len(completions)
+    return {"seconds": seconds, "tokens": tokens, "dtype": str(llm.llm_engine.model_config.dtype),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads()}
+
+
+def in_child(args, mode: str) -> dict:
+    """One A/B mode in a fresh process (an engine core built in a process fixes vLLM's mode for it)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model,
+           "--prompts", str(args.prompts), "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens),
+           "--calls", str(args.calls), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    cmd += ["--cuda-graphs"] if args.cuda_graphs else []
+    env = {**os.environ, **MODES[mode].get("env", {})}
+    run = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(CHILD_MARK)]
+    if run.returncode != 0 or not lines:
+        return {"error": f"exit status {run.returncode} (its log is above)"}
+    return json.loads(lines[-1][len(CHILD_MARK):])
 
 
 class RolloutActor:
@@ -98,32 +197,65 @@ def in_ray_actor(run_args: tuple, device_share: float) -> dict:
         ray.shutdown()
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    results = {}
-    for mode in args.modes.split(","):
-        if mode not in MODES:
-            raise SystemExit(f"--modes: {mode!r} is not one of {MODES}")
-        run_args = (args.model, mode.endswith("_sleep"), args.prompts, args.n, args.max_new_tokens,
-                    args.calls, args.gpu_memory_utilization, not args.cuda_graphs)
-        results[mode] = (in_ray_actor(run_args, args.gpu_memory_utilization) if mode.startswith("ray")
-                         else generate_times(*run_args))
-        print(f"{mode}: seconds per call {results[mode]['seconds']}", flush=True)
+def run_mode(args, mode: str) -> dict:
+    spec = MODES[mode]
+    sizes = (args.prompts, args.n, args.max_new_tokens, args.calls, args.gpu_memory_utilization,
+             not args.cuda_graphs)
+    if args.child and spec.get("trl"):
+        return trl_generate_times(args.model, *sizes)
+    if args.child:
+        return generate_times(args.model, mode, *sizes)
+    if spec.get("child"):
+        return in_child(args, mode)
+    if spec.get("ray"):
+        return in_ray_actor((args.model, mode, *sizes), args.gpu_memory_utilization)
+    return generate_times(args.model, mode, *sizes)
+
+
+def table_rows(results: dict) -> list[dict]:
+    """One row per mode; `÷ trl`: its seconds per call over the TRL-built engine's, when that ran."""
+    for r in results.values():
+        if "error" not in r:
+            later = percentiles(r["seconds"][1:] or r["seconds"])  # the first call warms the engine up
+            r.update(later_s=later["p50"], later_s_p20=later["p20"], later_s_p80=later["p80"])
+    base = results.get("trl", {}).get("later_s")
     rows = []
     for mode, r in results.items():
-        later = percentiles(r["seconds"][1:] or r["seconds"])  # the first call warms the engine up
-        r.update(later_s=later["p50"], later_s_p20=later["p20"], later_s_p80=later["p80"])
+        if "error" in r:
+            rows.append({"mode": mode, "tokens per call": r["error"]})
+            continue
+        later = {"p20": r["later_s_p20"], "p50": r["later_s"], "p80": r["later_s_p80"]}
         rows.append({"mode": mode, "tokens per call": r["tokens"], "first call s": round(r["seconds"][0], 2),
-                     "later calls s (p50)": round(later["p50"], 2),
-                     "p20-p80 s": f"{later['p20']:.2f}-{later['p80']:.2f}",
+                     "later calls s (p50)": round(later["p50"], 3),
+                     "p20-p80 s": f"{later['p20']:.3f}-{later['p80']:.3f}",
                      "tokens/s": round(r["tokens"] / later["p50"]),
+                     "s ÷ trl's": round(later["p50"] / base, 2) if base else "-",
                      "OMP threads": f"{r['omp_num_threads']} / {r['torch_threads']}"})
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print(CHILD_MARK + json.dumps(run_mode(args, args.child)), flush=True)
+        return 0
+    modes = AB_MODES if args.modes == "ab" else tuple(args.modes.split(","))
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"--modes: {mode!r} is not one of {tuple(MODES)} (or `ab`)")
+    results = {}
+    for mode in modes:
+        results[mode] = run_mode(args, mode)
+        seconds = results[mode].get("seconds", results[mode].get("error"))
+        print(f"{mode}: seconds per call {seconds}", flush=True)
+    rows = table_rows(results)
     meta = run_metadata()
     record(args.results, meta, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "rollout", "results": results, "args": vars(args), "meta": meta}, f, indent=2)
-    return 0
+    # a mode that failed is a failed benchmark (the table shows which), unless it is optional
+    return 1 if any("error" in r and not MODES[m].get("optional") for m, r in results.items()) else 0
 
 
 if __name__ == "__main__":

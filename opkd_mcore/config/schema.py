@@ -38,6 +38,7 @@ PLACEMENTS = ("disaggregated", "colocated")
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("addition",)
 CHAT_TEMPLATES = ("auto", "always", "none")
+SAMPLE_SEEDS = ("per_sample", "engine")  # rollout.sample_seeds
 OVERLONG_POLICIES = ("error", "skip")  # data.overlong
 MISSING_TEACHER_PROMPT_POLICIES = ("error", "skip")  # data.missing_teacher_prompt
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -186,6 +187,17 @@ class RolloutSection:
     """no graph capture: faster start, needed on CPU"""
     seed: int = 0
     """vLLM sampling seed, 0..SEED_MAX (offset by step so every step differs)"""
+    sample_seeds: str = "per_sample"
+    """per_sample: every sample is a vLLM request of its own, seeded from its prompt's seed (the same samples
+    whatever the batching, schedule or resume; vLLM's V1 sampler then draws each request's noise in a kernel
+    of its own per decode step) | engine: a prompt's n samples are one request drawn from the engine's
+    stream seeded by `seed`, as TRL samples (one noise kernel per step; the same samples only for the same
+    batches on the same engine)"""
+    engine_in_process: bool = False
+    """vLLM's engine core (scheduler, output processing) and, at TP=1, its model worker in the rollout's
+    own process, as TRL's colocated mode runs it: no message between processes per decode step, but the
+    output processing of a step no longer overlaps the next one. controller.kind: ray only (the rollout
+    actor): under torchrun the worker would join the trainer's torch.distributed world"""
 
 
 @dataclass(kw_only=True)

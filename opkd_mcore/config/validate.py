@@ -62,6 +62,7 @@ from opkd_mcore.config.schema import (
     OVERLONG_POLICIES,
     PLACEMENTS,
     ROUTINGS,
+    SAMPLE_SEEDS,
     SCHEDULES,
     SELF_WEIGHTS,
     STALE_POLICIES,
@@ -351,6 +352,11 @@ def _check_rollout(cfg: TrainConfig) -> None:
         raise ConfigError(f"rollout.top_k: expected -1 (off) or >= 1, got {ro.top_k}")
     in_range("rollout.gpu_memory_utilization", ro.gpu_memory_utilization, 0, 1, low_open=True)
     seed_in_range("rollout.seed", ro.seed)
+    choice("rollout.sample_seeds", ro.sample_seeds, SAMPLE_SEEDS)
+    if ro.engine_in_process and cfg.controller.kind != "ray":
+        raise ConfigError(f"rollout.engine_in_process: the engine core runs in the rollout's process, which "
+                          f"under controller.kind = {cfg.controller.kind!r} is a trainer rank whose "
+                          "torch.distributed world vLLM's worker would join; expected controller.kind: ray")
     if ro.max_new_tokens >= ro.max_model_len:
         raise ConfigError(f"rollout.max_new_tokens: {ro.max_new_tokens} leaves no room for the prompt "
                           f"in rollout.max_model_len = {ro.max_model_len}")

@@ -50,6 +50,19 @@ class RolloutConfig:
     seed: int = 0  # engine seed
     max_logprobs: int = 20  # largest prompt/sample logprobs k this engine will return (-1 = all)
     use_tqdm: bool = False  # vLLM's own progress bar per generate call
+    # vLLM decodes each response to text token by token; nothing downstream reads it (a `Sample`
+    # holds token ids; rewards and logs decode the ids themselves), so it is off
+    detokenize: bool = False
+    # True: every sample is a request of its own seeded from its prompt's seed (reproducible whatever
+    # the batching), at the price of one RNG kernel per request per decode step in vLLM's V1 model
+    # runner sampler; False: the n samples of a prompt are one request drawn from the engine's stream
+    # (seeded by `seed`: reproducible for the same batch on the same engine only), as TRL samples
+    per_sample_seeds: bool = True
+    # True: vLLM's engine core (scheduler, output processing) and, at TP=1, its model worker run in
+    # this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocated mode): no message between
+    # processes per decode step, but output processing no longer overlaps the next step, and the
+    # worker joins this process's torch.distributed world, so a process that has one cannot hold it
+    engine_in_process: bool = False
     extra_engine_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as is
 
     def validate(self) -> None:

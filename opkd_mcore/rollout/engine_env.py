@@ -17,15 +17,25 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "MASTER_PORT")
 
 
+# vLLM's switch between an engine core process of its own (1, its default) and one in the caller's
+IN_PROCESS_VARIABLE = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
 @contextlib.contextmanager
-def engine_environment():
+def engine_environment(in_process: bool = False):
     """Within the block (where the engine's processes are started), the launcher's variables are
-    unset; they are restored afterwards for the trainer's own process group."""
-    names = [n for n in os.environ if n in LAUNCHER_VARIABLES or n.startswith("TORCHELASTIC_")]
+    unset; they are restored afterwards for the trainer's own process group. `in_process`: the
+    engine core is built in this process (vLLM reads the switch while it builds the engine)."""
+    names = [n for n in os.environ if n in LAUNCHER_VARIABLES or n.startswith("TORCHELASTIC_")
+             or (in_process and n == IN_PROCESS_VARIABLE)]
     saved = {n: os.environ.pop(n) for n in names}
+    if in_process:
+        os.environ[IN_PROCESS_VARIABLE] = "0"
     try:
         yield
     finally:
+        if in_process:
+            del os.environ[IN_PROCESS_VARIABLE]
         os.environ.update(saved)
 
 

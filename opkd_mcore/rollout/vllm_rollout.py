@@ -13,6 +13,8 @@ import logging
 import threading
 from collections.abc import Sequence
 
+import torch.distributed as dist
+
 from opkd_mcore.data.build import encode_chat
 from opkd_mcore.platform import is_cpu
 from opkd_mcore.rollout.config import RolloutConfig, SamplingConfig
@@ -20,6 +22,9 @@ from opkd_mcore.rollout.engine_env import child_pids, engine_environment, yield_
 from opkd_mcore.rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
+
+# engine cores built in this process (rollout.engine_in_process): vLLM caches its environment then
+_IN_PROCESS_ENGINES: list[str] = []
 
 
 def sleep_mode_available() -> bool:
@@ -35,8 +40,9 @@ def sample_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def to_sampling_params(sampling: SamplingConfig, *, logprobs: int = 0):
-    """`SamplingConfig` -> `vllm.SamplingParams` asking for the sampled token's logprob."""
+def to_sampling_params(sampling: SamplingConfig, *, logprobs: int = 0, detokenize: bool = False):
+    """`SamplingConfig` -> `vllm.SamplingParams` asking for the sampled token's logprob;
+    `detokenize`: vLLM also decodes the response to text (`RolloutConfig.detokenize`)."""
     from vllm import SamplingParams
 
     sampling.validate()
@@ -45,7 +51,24 @@ def to_sampling_params(sampling: SamplingConfig, *, logprobs: int = 0):
         top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
         stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=logprobs,
         flat_logprobs=True,  # flat lists per completion, not a dict of objects per token
+        detokenize=detokenize,
     )
+
+
+def check_in_process_engine(cfg: RolloutConfig) -> None:
+    """An engine core in this process cannot be built where it would break the process: its TP=1
+    model worker joins the torch.distributed world already there (the torchrun trainer's: every
+    rank would have to join, and a weight sync by device IPC cannot open its own process's
+    handles), and vLLM fixes the engine mode of a process with the first engine core built in it."""
+    if not cfg.engine_in_process:
+        return
+    if cfg.tensor_parallel_size == 1 and dist.is_available() and dist.is_initialized():
+        raise ValueError("rollout.engine_in_process: this process already has a torch.distributed world "
+                         f"(rank {dist.get_rank()} of {dist.get_world_size()}), which vLLM's TP=1 worker "
+                         "would join; expected a process without one (the Ray controller's rollout actor)")
+    if _IN_PROCESS_ENGINES:
+        raise ValueError("rollout.engine_in_process: a rollout engine core was built in this process "
+                         "before, and vLLM keeps the engine settings it read then; expected one per process")
 
 
 class VllmRollout:
@@ -62,6 +85,7 @@ class VllmRollout:
         self.cfg = cfg or RolloutConfig()
         self.cfg.validate()
         self.model_dir = model_dir
+        check_in_process_engine(self.cfg)
         self._sleep_supported = sleep_mode_available()
         self.llm = self._build_engine(worker_extension_cls)
         self._version = 0
@@ -88,9 +112,14 @@ class VllmRollout:
             kwargs["worker_extension_cls"] = worker_extension_cls
         kwargs.update(cfg.extra_engine_kwargs)
 
+        if not cfg.per_sample_seeds:
+            logger.info("rollout: the n samples of a prompt are one request drawn from the engine's random "
+                        "stream (seed %d); per-prompt seeds are not used", cfg.seed)
         before = child_pids()
-        with engine_environment():
+        with engine_environment(in_process=cfg.engine_in_process):
             llm = LLM(**kwargs)
+        if cfg.engine_in_process:
+            _IN_PROCESS_ENGINES.append(self.model_dir)
         if is_cpu():
             yield_cpu_to_trainer(before)
         return llm
@@ -209,7 +238,9 @@ class VllmRollout:
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds: expected one seed per prompt ({len(prompts)}), got {len(seeds)}")
         prompt_ids = self._prompt_ids(prompts)
-        requests, owners = self._requests(prompt_ids, sampling, seeds)
+        if not self.cfg.per_sample_seeds:
+            seeds, sampling = None, dataclasses.replace(sampling, seed=None)
+        requests, owners = self._requests(prompt_ids, sampling, seeds, self.cfg.detokenize)
         version = self._enter()
         salt = prefix_cache_salt(version)
         inputs = [{"prompt_token_ids": prompt_ids[i], "cache_salt": salt} for i in owners]
@@ -221,17 +252,19 @@ class VllmRollout:
                 for i, out in zip(owners, outputs) for c in out.outputs]
 
     @staticmethod
-    def _requests(prompt_ids, sampling: SamplingConfig, seeds) -> tuple[list, list[int]]:
+    def _requests(prompt_ids, sampling: SamplingConfig, seeds, detokenize: bool) -> tuple[list, list[int]]:
         """vLLM sampling params per request and the prompt each request belongs to (prompt-major)."""
         if seeds is None and sampling.seed is None:
-            return [to_sampling_params(sampling)] * len(prompt_ids), list(range(len(prompt_ids)))
+            params = to_sampling_params(sampling, detokenize=detokenize)
+            return [params] * len(prompt_ids), list(range(len(prompt_ids)))
         if seeds is None:
             seeds = [sample_seed(sampling.seed, i) for i in range(len(prompt_ids))]
         one = dataclasses.replace(sampling, n=1)
         params, owners = [], []
         for i, seed in enumerate(seeds):
             for j in range(sampling.n):
-                params.append(to_sampling_params(dataclasses.replace(one, seed=sample_seed(seed, j))))
+                params.append(to_sampling_params(dataclasses.replace(one, seed=sample_seed(seed, j)),
+                                                 detokenize=detokenize))
                 owners.append(i)
         return params, owners
 

@@ -131,7 +131,8 @@ def build_rollout(cfg: TrainConfig, model_dir: str | None = None, tensor_paralle
                        tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=sleep_mode,
                        gpu_memory_utilization=ro.gpu_memory_utilization,
                        enforce_eager=ro.enforce_eager, seed=ro.seed, max_logprobs=max([1, *self_k]),
-                       logprobs_mode="raw_logprobs")
+                       logprobs_mode="raw_logprobs", per_sample_seeds=ro.sample_seeds == "per_sample",
+                       engine_in_process=ro.engine_in_process)
     return VllmRollout(model_dir or cfg.model.student, rc, worker_extension_cls=RECEIVER_CLS)
 
 

@@ -46,6 +46,8 @@
 #   bash tools/gpu/lane.sh moe1           # the MoE student at EP=1 on 1 GPU (fewer layers)
 #   bash tools/gpu/lane.sh rollout        # one rollout engine: in-process vs in a Ray actor, sleep on/off
 #   bash tools/gpu/lane.sh rollout_graphs # the same engine in-process with CUDA graphs (enforce_eager=false)
+#   bash tools/gpu/lane.sh rollout_ab     # the rollout engine's modes against vLLM built as TRL builds it
+#                                         # (CUDA graphs, 32 x 4 x 256 tokens; 1 GPU, ~4 min; makes models)
 #   bash tools/gpu/lane.sh teacher_device # in-process teacher: prompt_logprobs vs device top-k vs hidden
 #   bash tools/gpu/lane.sh teacher_hidden # a served teacher: top-64 rows vs hidden states, bytes and tokens/s
 #   bash tools/gpu/lane.sh train4         # 4 GPUs: Qwen3-8B-shaped student at TP=2 x PP=2, dense 14B Megatron
@@ -339,5 +341,12 @@ case "${1:-}" in
     cp -p /tmp/runs/t4$t/metrics.jsonl "${log}_metrics.jsonl" || { tail -n 40 "$log.log"; exit 1; }
     python3 tools/gpu/step_table.py "${log}_metrics.jsonl" --gpus 4 --student /tmp/models/qwen3-8b \
         --teacher /tmp/models/qwen3-14b --smi "$log.smi" | tee "$log.table" ;;
+  rollout_ab)  # one engine at a time, each in a process of its own: TRL's vLLM settings, then ours and
+               # each difference alone (seeding, engine core in-process, detokenizing, V2 model runner)
+    [ -f /tmp/models/qwen3-0.6b/config.json ] || bash "$0" models > "$OUT/models.log" 2>&1
+    python3 tools/bench_rollout.py --model /tmp/models/qwen3-0.6b --modes ab --cuda-graphs \
+        --json "$OUT/bench_rollout_ab.json" --results "$OUT/results.jsonl" "${@:2}" \
+        > "$OUT/bench_rollout_ab.log" 2>&1
+    grep -E "^\||per call" "$OUT/bench_rollout_ab.log" || tail -20 "$OUT/bench_rollout_ab.log" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
