@@ -11,12 +11,18 @@ transfer of the same bytes in the same message size is the ceiling:
     tp1-coloc     1 rank on GPU 0        GPU 0         colocated_ipc   IPC copy on GPU 0
     tp2-coloc     2 ranks on GPU 0, 1    GPU 0         colocated_ipc   IPC copy on GPU 0
     tp2-disagg    2 ranks on GPU 2, 3    GPU 0         group (NCCL)    NCCL broadcast GPU 1 -> GPU 0
+    ep2-coloc     2 ranks on GPU 0, 1    GPU 0         colocated_ipc   IPC copy on GPU 0
+    ep2-disagg    2 ranks on GPU 2, 3    GPU 0         group (NCCL)    NCCL broadcast GPU 1 -> GPU 0
 
-For the colocated layouts the run also times the disaggregated yardstick, an NCCL broadcast of the
-same bytes from GPU 1 to GPU 0 (`raw_nccl_s`). `--profile PREFIX`: one more sync under torch.profiler on
-every trainer rank, its tables in PREFIX_rank{r}.txt.
+The ep2 layouts split an MoE student's experts over the two ranks (each sends its own experts, the
+engine loads them into vLLM's fused-MoE tensors). For the colocated layouts the run also times the
+disaggregated yardstick, an NCCL broadcast of the same bytes from GPU 1 to GPU 0 (`raw_nccl_s`).
+`--profile PREFIX`: one more sync under torch.profiler on every trainer rank, its tables in
+PREFIX_rank{r}.txt. `--device cpu` runs tp1 and ep2 layouts on the CPU (gloo, a vLLM CPU engine,
+float32): the tests' smoke run of this path, no timing worth reporting.
 
     python tools/bench_weight_sync.py --e2e --shape qwen3-8b --layout tp1-disagg --iters 5
+    python tools/bench_weight_sync.py --e2e --shape qwen3-30b-a3b --layers 8 --layout ep2-coloc
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import socket
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import torch
 import torch.multiprocessing as mp
@@ -34,11 +41,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_weight_s
 from bench_common import percentiles, run_metadata, time_it  # noqa: E402
 from bench_weight_sync import raw_broadcast, timed, timeline  # noqa: E402
 
-LAYOUTS = {  # name -> (trainer ranks, first trainer GPU, transport)
-    "tp1-disagg": (1, 1, "group"),
-    "tp1-coloc": (1, 0, "colocated_ipc"),
-    "tp2-coloc": (2, 0, "colocated_ipc"),
-    "tp2-disagg": (2, 2, "group"),  # 4 GPUs; the peer export's writes cross the interconnect, then the send
+
+class Layout(NamedTuple):
+    ranks: int  # trainer ranks
+    first_gpu: int  # the first trainer rank's GPU (the engine is on GPU 0)
+    transport: str
+    split: str = "tp"  # what the ranks split: "tp" (tensor parallel) or "ep" (the MoE experts)
+
+
+LAYOUTS = {
+    "tp1-disagg": Layout(1, 1, "group"),
+    "tp1-coloc": Layout(1, 0, "colocated_ipc"),
+    "tp2-coloc": Layout(2, 0, "colocated_ipc"),
+    # 4 GPUs; the peer export's writes cross the interconnect, then the send
+    "tp2-disagg": Layout(2, 2, "group"),
+    "ep2-coloc": Layout(2, 0, "colocated_ipc", "ep"),
+    "ep2-disagg": Layout(2, 2, "group", "ep"),  # 4 GPUs
 }
 
 
@@ -48,38 +66,67 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_checkpoint(shape: str, out_dir: str) -> str:
-    """A random bf16 HF checkpoint of a named shape (initialised on the GPU: seconds for 8B)."""
+def make_checkpoint(shape: str, out_dir: str, layers: int | None = None) -> str:
+    """A random bf16 HF checkpoint of a named shape (initialised on the GPU: seconds for 8B), with
+    `layers` decoder layers instead of the shape's own when given."""
     from opkd_mcore.data import ALPHABET
-    from opkd_mcore.models.tiny import NAMED_SHAPES, save_tiny_hf_model
+    from opkd_mcore.models.tiny import named_shape, save_tiny_hf_model
 
-    return save_tiny_hf_model(out_dir, "qwen3", NAMED_SHAPES[shape], seed=1, alphabet=ALPHABET,
+    family, model_shape = named_shape(shape, layers)
+    return save_tiny_hf_model(out_dir, family, model_shape, seed=1, alphabet=ALPHABET,
                               dtype=torch.bfloat16, device="cuda")
 
 
+def _on_cpu(args) -> bool:
+    from opkd_mcore.platform import is_cpu
+
+    return is_cpu(args.device)
+
+
+def _transport(args) -> str:
+    """The layout's transport; on the CPU always the gloo group (device IPC needs an accelerator)."""
+    return "group" if _on_cpu(args) else LAYOUTS[args.layout].transport
+
+
+def _model_info(model_dir: str) -> dict:
+    """What the row names the checkpoint by: its architecture, layers and routed experts (dense: 0)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    return {"architecture": hf["architectures"][0], "layers": hf["num_hidden_layers"], "experts": experts,
+            "experts_per_token": hf.get("num_experts_per_tok") if experts else None}
+
+
+def _synchronize(args) -> None:
+    if not _on_cpu(args):
+        torch.cuda.synchronize()
+
+
 def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
-    tp, first_gpu, transport = LAYOUTS[args.layout]
+    layout, cpu = LAYOUTS[args.layout], _on_cpu(args)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(tp), LOCAL_RANK=str(first_gpu + rank))
+                      WORLD_SIZE=str(layout.ranks), LOCAL_RANK=str(0 if cpu else layout.first_gpu + rank))
     from opkd_mcore.config import TrainConfig
     from opkd_mcore.train.components import build_rollout, build_student, build_weight_sync, init_distributed
 
     cfg = TrainConfig()
-    cfg.model.student, cfg.model.params_dtype = model_dir, "bfloat16"
-    cfg.parallel.tp = tp
+    # float32 on the CPU: what its vLLM engine runs everywhere
+    cfg.model.student, cfg.model.params_dtype = model_dir, "float32" if cpu else "bfloat16"
+    cfg.run.device = "cpu" if cpu else None
+    setattr(cfg.parallel, layout.split, layout.ranks)
     cfg.rollout.gpu_memory_utilization, cfg.rollout.max_model_len = 0.3, 256
-    cfg.weight_sync.bucket_mb, cfg.weight_sync.transport = args.bucket_mb, transport
+    cfg.weight_sync.bucket_mb, cfg.weight_sync.transport = args.bucket_mb, _transport(args)
     cfg.weight_sync.tp_export = args.tp_export
     cfg.weight_sync.high_priority_stream = args.stream_priority == "high"
     rollout = build_rollout(cfg) if rank == 0 else None  # vLLM's worker takes GPU 0
     if rollout is not None and args.trainer_cpus:
         _split_cpus(args.trainer_cpus)
     init_distributed(cfg)
-    _, chunks = build_student(model_dir, None, "bfloat16")
+    _, chunks = build_student(model_dir, None, cfg.model.params_dtype)
     syncer = build_weight_sync(chunks, rollout, cfg)
     versions, phases = iter(range(1, args.warmup + args.iters + 1)), []
     # returns once every engine worker has loaded the version
-    times = time_it(lambda: syncer.sync(next(versions)), args.warmup, args.iters, torch.cuda.synchronize,
+    times = time_it(lambda: syncer.sync(next(versions)), args.warmup, args.iters, lambda: _synchronize(args),
                     before_each=torch.distributed.barrier,
                     after_each=lambda: phases.append(_phases(syncer) if rank == 0 else None)).samples
     phases = phases[args.warmup:]
@@ -93,7 +140,8 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
         queue.put({"sync_s": times, "version": version, "total_bytes": plan.total_bytes,
                    "buckets": len(plan.buckets), "max_bucket": plan.max_bucket_nbytes(),
                    "handshakes": None if stats is None else stats.handshakes, "phases": phases,
-                   "device": torch.cuda.get_device_name(0), "idle_rpc": rpc, "cpus": _cpu_sets()})
+                   "device": "cpu" if cpu else torch.cuda.get_device_name(0), "idle_rpc": rpc,
+                   "cpus": _cpu_sets()})
     syncer.close()
     if rollout is not None:
         rollout.shutdown()
@@ -187,15 +235,17 @@ def _raw(rank: int, args, port: int, total_bytes: int, chunk: int, transport_nam
     bytes, the same chunks (colocated: one copy out of the sender's buffers into the receiver's)."""
     from opkd_mcore.weight_sync import TransportConfig, make_transport
 
-    first_gpu = LAYOUTS[args.layout][1] if transport_name != "group" else 1
-    torch.cuda.set_device(first_gpu if rank == 0 else 0)
-    cfg = TransportConfig(port=port, world_size=2, timeout_s=600,
+    cpu = _on_cpu(args)
+    if not cpu:
+        first_gpu = LAYOUTS[args.layout].first_gpu if transport_name != "group" else 1
+        torch.cuda.set_device(first_gpu if rank == 0 else 0)
+    cfg = TransportConfig(port=port, world_size=2, timeout_s=600, device="cpu" if cpu else None,
                           high_priority=args.stream_priority == "high")
     transport = make_transport(transport_name, cfg, rank)
     transport.connect()
     buf = transport.alloc_buffer(chunk)
-    times = timed(lambda i: raw_broadcast(transport, buf, total_bytes, 600), torch.device("cuda"),
-                   transport, args.iters, args.warmup)
+    times = timed(lambda i: raw_broadcast(transport, buf, total_bytes, 600),
+                  torch.device("cpu" if cpu else "cuda"), transport, args.iters, args.warmup)
     transport.close()
     queue.put((rank, times))
 
@@ -215,13 +265,14 @@ def _run(target, nprocs: int, *args) -> list:
 
 
 def run_e2e(args) -> dict:
-    model_dir = args.model_dir or make_checkpoint(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"))
-    tp = LAYOUTS[args.layout][0]
-    (e2e,) = _run(_trainer, tp, args, model_dir, _free_port())
+    model_dir = args.model_dir or make_checkpoint(args.shape, tempfile.mkdtemp(prefix=f"{args.shape}-"),
+                                                  args.layers)
+    layout = LAYOUTS[args.layout]
+    (e2e,) = _run(_trainer, layout.ranks, args, model_dir, _free_port())
     # printed before the raw transfer runs: a time limit that cuts the run short keeps this half
     print(f"e2e syncs done: {args.layout} {args.shape}, {e2e['total_bytes'] / 1e9:.2f} GB, "
           f"seconds {e2e['sync_s']}, phases {e2e['phases'][-1]}", flush=True)
-    transport = LAYOUTS[args.layout][2]
+    transport = _transport(args)
     raw = dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"], e2e["max_bucket"], transport))
     # one yardstick for every layout: an NCCL broadcast of the same bytes between the GPUs
     nccl = raw if transport == "group" else dict(_run(_raw, 2, args, _free_port(), e2e["total_bytes"],
@@ -230,7 +281,8 @@ def run_e2e(args) -> dict:
     sync = percentiles(e2e["sync_s"])
     sync_s, raw_s, nccl_s = sync["p50"], percentiles(raw[1])["p50"], percentiles(nccl[1])["p50"]
     phases = {k: round(percentiles([p[k] for p in e2e["phases"]])["p50"], 4) for k in e2e["phases"][0]}
-    return dict(mode="e2e", layout=args.layout, shape=args.shape, gbytes=round(gb, 3), buckets=e2e["buckets"],
+    return dict(mode="e2e", layout=args.layout, parallel={layout.split: layout.ranks}, shape=args.shape,
+                gbytes=round(gb, 3), buckets=e2e["buckets"],
                 bucket_mb=args.bucket_mb, sync_s=round(sync_s, 4), sync_s_p20=round(sync["p20"], 4),
                 sync_s_p80=round(sync["p80"], 4), sync_gbps=round(gb / sync_s, 1),
                 raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
@@ -238,14 +290,16 @@ def run_e2e(args) -> dict:
                 engine_version=e2e["version"], device=e2e["device"], sync_all_s=e2e["sync_s"],
                 raw_all_s=raw[1], phases=phases, idle_rpc=e2e["idle_rpc"], cpus=e2e["cpus"],
                 trainer_cpus=args.trainer_cpus, tp_export=args.tp_export,
-                stream_priority=args.stream_priority, meta=run_metadata(device=e2e["device"]))
+                stream_priority=args.stream_priority, model_dir=model_dir, **_model_info(model_dir),
+                meta=run_metadata(device=e2e["device"]))
 
 
 def print_row(row: dict) -> None:
-    print("| layout | shape | GB | buckets | e2e sync s | e2e GB/s | raw s | raw GB/s | e2e / raw "
-          "| raw NCCL s | e2e / raw NCCL |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| {row['layout']} | {row['shape']} | {row['gbytes']} | {row['buckets']} | {row['sync_s']} | "
+    print("| layout | shape | layers | experts | GB | buckets | e2e sync s | e2e GB/s | raw s | raw GB/s "
+          "| e2e / raw | raw NCCL s | e2e / raw NCCL |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {row['layout']} | {row['shape']} | {row['layers']} | {row['experts']} | {row['gbytes']} | "
+          f"{row['buckets']} | {row['sync_s']} | "
           f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} | "
           f"{row['raw_nccl_s']} | {row['ratio_nccl']:.0%} |")
     print("host seconds by phase (medians):", ", ".join(f"{k} {v}" for k, v in row["phases"].items()))

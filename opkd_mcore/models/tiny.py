@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -75,7 +75,31 @@ NAMED_SHAPES = {
     "qwen3-32b": TinyModelShape(vocab_size=151936, hidden_size=5120, num_layers=64, num_attention_heads=64,
                                 num_key_value_heads=8, head_dim=128, intermediate_size=25600,
                                 max_position_embeddings=40960, extra=_QWEN3_ROPE),
+    # Qwen3-30B-A3B (HF config.json of Qwen/Qwen3-30B-A3B): every layer an MoE block of 128 experts,
+    # top-8 with the top-k weights renormalised; intermediate_size is the config's, unused (no dense
+    # layer). `named_shape(..., layers=8)` gives the 8-layer variant the GPU lane trains and syncs.
+    "qwen3-30b-a3b": TinyModelShape(
+        vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, max_position_embeddings=40960,
+        extra=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                   rope_theta=1000000.0, rms_norm_eps=1e-6)),
 }
+# The family of a named shape that is not a dense Qwen3
+NAMED_SHAPE_FAMILIES = {"qwen3-30b-a3b": "qwen3_moe"}
+
+
+def named_shape(name: str, layers: int | None = None) -> tuple[str, TinyModelShape]:
+    """(family, shape) of a name in NAMED_SHAPES, with `layers` decoder layers instead of the model's
+    own when given (a shorter model of the same width: a benchmark that fits fewer GPUs)."""
+    if name not in NAMED_SHAPES:
+        raise ValueError(f"shape: expected one of {sorted(NAMED_SHAPES)}, got {name!r}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers: expected a positive number of decoder layers, got {layers}")
+    shape = NAMED_SHAPES[name]
+    if layers is not None:
+        shape = replace(shape, num_layers=layers, extra=dict(shape.extra))
+    return NAMED_SHAPE_FAMILIES.get(name, "qwen3"), shape
 
 def make_char_tokenizer(alphabet: str):
     """A character-level `PreTrainedTokenizerFast`: ids 0..2 are <pad>, <bos>, <eos>, then `alphabet`.

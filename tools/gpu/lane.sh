@@ -52,6 +52,10 @@
 #   bash tools/gpu/lane.sh teacher_hidden # a served teacher: top-64 rows vs hidden states, bytes and tokens/s
 #   bash tools/gpu/lane.sh train4         # 4 GPUs: Qwen3-8B-shaped student at TP=2 x PP=2, dense 14B Megatron
 #                                         # teacher in the step; tokens/s per GPU, MFU, utilization, memory
+#   bash tools/gpu/lane.sh e2e_moe        # expert weight sync of a Qwen3-30B-A3B-shaped student (8 layers)
+#                                         # into vLLM vs raw, EP=1 then EP=2 (2 GPUs; MOE_LAYERS, MOE_LAYOUTS)
+#   bash tools/gpu/lane.sh train_moe      # opkd train, the same MoE student at EP=2 (2 GPUs; 8 layers on
+#                                         # H200s, 4 on H100s unless MOE_LAYERS), rollout + teacher on GPU 0
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -103,7 +107,8 @@ case "${1:-}" in
         tests/test_weight_sync_abort_gpu.py tests/test_weight_sync_receiver_abort_gpu.py \
         -k "megatron_student or moe or resume or tp2 or pp2 or nccl or aborts or hung or surviving" ;;
   tests_pair1)  # tests_pair in three calls: the weight-sync layouts and EP=2 (~330 s on two H200s) ...
-    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py -k "megatron_student or ep2" ;;
+    bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py tests/test_models_moe_shapes.py \
+        -k "megatron_student or ep2" ;;
   tests_aborts)  # ... the sync's aborts: a dead receiver, a hung engine, a surviving receiver (~2 minutes) ...
     bash "$0" tests tests/test_weight_sync_abort_gpu.py tests/test_weight_sync_receiver_abort_gpu.py ;;
   tests_pair2)  # ... training: the MoE student at EP=2 and the resume (~330 s on two H100s) ...
@@ -348,5 +353,35 @@ case "${1:-}" in
         --json "$OUT/bench_rollout_ab.json" --results "$OUT/results.jsonl" "${@:2}" \
         > "$OUT/bench_rollout_ab.log" 2>&1
     grep -E "^\||per call" "$OUT/bench_rollout_ab.log" || tail -20 "$OUT/bench_rollout_ab.log" ;;
+  e2e_moe)  # expert weight sync into vLLM's fused-MoE tensors against a raw broadcast of the same bytes
+            # (2 GPUs): a Qwen3-30B-A3B-shaped checkpoint with MOE_LAYERS (8) of its 48 layers (made in
+            # /tmp/models if missing), tp1-disagg (EP=1 trainer on GPU 1, engine on GPU 0) then ep2-coloc
+            # (experts split over GPUs 0 and 1, engine on GPU 0); MOE_LAYOUTS to choose, extra arguments
+            # go to the tool; ~5 minutes on two H100s with the model made
+    l=${MOE_LAYERS:-8}; m=/tmp/models/qwen3-30b-a3b-${l}l
+    [ -d "$m" ] || python3 tools/make_model.py --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
+    for layout in ${MOE_LAYOUTS:-tp1-disagg ep2-coloc}; do
+      log="$OUT/e2e_moe${l}l_$layout${TAG:-}"
+      timeout 270 python3 tools/bench_weight_sync.py --e2e --shape qwen3-30b-a3b --layout "$layout" \
+          --model-dir "$m" --bucket-mb "${BUCKET_MB:-1024}" --iters 5 --json "$log.json" \
+          --results "$OUT/results.jsonl" "${@:2}" > "$log.log" 2>&1
+      grep -A2 "^| layout" "$log.log" || grep "^e2e syncs done" "$log.log" || tail -20 "$log.log"
+    done ;;
+  train_moe)  # opkd train with the MoE student at EP=2 (2 GPUs; configs/gpu_qwen3_30b_a3b_from_1.7b.yaml):
+              # Qwen3-30B-A3B-shaped with MOE_LAYERS of its 48 layers (default 8 where GPU 0 has >= 100 GiB,
+              # else 4: the 8-layer student's state plus both engines on rank 0 exceed an 80 GB H100), the
+              # rollout engine and the 1.7B vLLM teacher (top-64) on GPU 0; models made if missing
+    t=${TAG:-}; big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+    l=${MOE_LAYERS:-$([ "${big:-0}" -ge 102400 ] && echo 8 || echo 4)}; m=/tmp/models/qwen3-30b-a3b-${l}l
+    [ -d "$m" ] || python3 tools/make_model.py --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
+    [ -d /tmp/models/qwen3-1.7b ] || \
+        python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 --device cuda
+    echo "MoE student: $m ($l layers; GPU 0 has $big MiB)" | tee "$OUT/train_moe$t.info"
+    gpu_memory_log "$OUT/train_moe$t.log" python3 -m torch.distributed.run --nproc_per_node 2 \
+        -m opkd_mcore.cli train --config configs/gpu_qwen3_30b_a3b_from_1.7b.yaml model.student="$m" \
+        run.output_dir=/tmp/runs/tmoe$t "${@:2}" > "$OUT/train_moe$t.log" 2>&1
+    cp /tmp/runs/tmoe$t/metrics.jsonl "$OUT/train_moe${t}_metrics.jsonl" && \
+        python3 tools/gpu/step_table.py "$OUT/train_moe${t}_metrics.jsonl" || tail -30 "$OUT/train_moe$t.log"
+    grep "peak GPU memory" "$OUT/train_moe$t.log" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
