@@ -299,13 +299,15 @@ case "${1:-}" in
       grep -B1 -A3 "^| loss impl" "$OUT/cp$1_$2.log" || tail -20 "$OUT/cp$1_$2.log"
     done ;;
   memory_levers)  # peak memory against step time: recompute none / selective / full on one GPU, then TP=2
-                  # without and with sequence parallelism (TE) on two (qwen3-1.7b, 16K tokens, fused loss)
-    for run in "1 none" "1 selective" "1 full" "2 none" "2 none --sequence-parallel"; do
-      set -- $run
-      tag="tp$1_$2${3:+_sp}"
-      python3 -m torch.distributed.run --standalone --nproc_per_node "$1" tools/bench_train_step.py \
-          --shape "${SHAPE:-qwen3-1.7b}" --tokens 16384 --seq 256 --recompute "$2" ${3:-} --impls fused \
-          --iters 3 --out "$OUT/levers_$tag.json" --results "$OUT/results.jsonl" > "$OUT/levers_$tag.log" 2>&1
+                  # without and with sequence parallelism (TE) on two (qwen3-1.7b, 16K tokens, fused loss);
+                  # LEVER_RUNS="GPUS:RECOMPUTE[:sp] ..." picks the runs
+    for run in ${LEVER_RUNS:-1:none 1:selective 1:full 2:none 2:none:sp}; do
+      IFS=: read -r n recompute sp <<< "$run"
+      tag="tp${n}_$recompute${sp:+_sp}"
+      python3 -m torch.distributed.run --standalone --nproc_per_node "$n" tools/bench_train_step.py \
+          --shape "${SHAPE:-qwen3-1.7b}" --tokens 16384 --seq 256 --recompute "$recompute" \
+          ${sp:+--sequence-parallel} --impls fused --iters 3 --out "$OUT/levers_$tag.json" \
+          --results "$OUT/results.jsonl" > "$OUT/levers_$tag.log" 2>&1
       grep -A2 "^| loss impl" "$OUT/levers_$tag.log" | tail -1 | sed "s/^/$tag /" || tail -5 "$OUT/levers_$tag.log"
     done ;;
   fusions)  # the engine's packed step with Megatron's fused SwiGLU and fused RoPE off (opkd's build) and on
