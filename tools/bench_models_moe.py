@@ -35,7 +35,8 @@ def _loss_fn(num_global_tokens: int):
 
 def run_moe(args) -> None:
     """One row per experts implementation of `--moe-experts`, each a fresh model and engine on the
-    same shape and batches (the model is freed before the next one is built)."""
+    same shape and batches. Not everything of one model is freed before the next is built, so a later
+    row's peak memory can include an earlier one's: `lane.sh moe` runs one implementation per process."""
     import gc
 
     import torch
