@@ -93,7 +93,7 @@ case "${1:-}" in
   tests1)
     bash "$0" tests tests/test_demo.py tests/test_fused_linear_kd_gpu.py tests/test_fused_linear_kd_served.py \
         tests/test_kernels_gpu.py tests/test_models_gpu.py tests/test_models_grouped_experts_gpu.py \
-        tests/test_models_moe_e2e.py tests/test_rollout_vllm.py ;;
+        tests/test_models_moe_e2e.py tests/test_rollout_vllm.py tests/test_rollout_engine_modes.py ;;
   tests2)
     bash "$0" tests tests/test_teacher_vllm.py tests/test_teacher_remote.py ;;
   tests5)  # one GPU: the device top-k teacher and its server, self- and cross-tokenizer distillation,
