@@ -81,12 +81,9 @@ class ModelLayout:
         return (layer // (self.num_layers // chunks)) % self.pp
 
 
-def _use_transformer_engine(device: str | None = None) -> bool:
+def transformer_engine_usable(device: str | None = None) -> bool:
     """Whether models built on `device` (default: this process's) get the Transformer Engine spec."""
     return not is_cpu(device) and importlib.util.find_spec("transformer_engine") is not None
-
-
-transformer_engine_usable = _use_transformer_engine
 
 
 def layer_spec(bridge: ModelBridge, use_te: bool | None = None, experts: ExpertsChoice | None = None):
@@ -94,7 +91,7 @@ def layer_spec(bridge: ModelBridge, use_te: bool | None = None, experts: Experts
     MoE model's experts submodule as `experts` decided (`grouped_experts.resolve_experts`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    use_te = _use_transformer_engine() if use_te is None else use_te
+    use_te = transformer_engine_usable() if use_te is None else use_te
     # unfused packed-sequence RoPE (no TE, or TE without rope fusion) without Megatron's host syncs
     megatron_thd_rope.install()
     num_experts = bridge.num_experts if bridge.is_moe else None
@@ -197,7 +194,7 @@ def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
     ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
     bridge.check_parallel(tp, pp, vpp, ep, etp)
     dtype = params_dtype or default_params_dtype()
-    use_te = _use_transformer_engine() if use_te is None else use_te
+    use_te = transformer_engine_usable() if use_te is None else use_te
     if config_overrides.get("sequence_parallel") and not use_te:
         raise ValueError("sequence_parallel: needs the Transformer Engine layer spec; the local "
                          "spec's torch norms do not support it")
