@@ -51,6 +51,9 @@ EXTENDED = {
     "tests/test_models_moe.py::test_each_ep_rank_streams_only_its_experts[mixtral-ep2seq]",
     "tests/test_models_moe.py::test_each_ep_rank_streams_only_its_experts[qwen2_moe-ep2seq]",
     "tests/test_models_moe_train.py::test_router_metrics_match_hf_routing[qwen3_moe-ep2-sequential]",
+    # the e2e sync bench of the 30B-A3B-shaped MoE at EP=1 (kept); EP=2 sync into a running engine is
+    # test_weight_sync_moe.py::test_ep2_student_synced_matches_its_hf_export
+    "tests/test_models_moe_shapes.py::test_e2e_sync_bench_of_a_megatron_student_tiny_qwen3_moe_from_the_30b_shape[ep2-coloc]",
 }
 
 

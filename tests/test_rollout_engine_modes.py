@@ -9,12 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from opkd_mcore.models.tiny import save_tiny_hf_model
 from opkd_mcore.rollout import RolloutConfig, SamplingConfig
 from opkd_mcore.rollout.engine_env import IN_PROCESS_VARIABLE, engine_environment
-from opkd_mcore.rollout.vllm_rollout import VllmRollout, check_in_process_engine, sample_seed
+from opkd_mcore.rollout.vllm_rollout import VllmRollout, sample_seed
 from tests.conftest import ENGINE_MEMORY, VLLM_FP32_LOGPROB_ATOL
 
 PROMPTS = [[1, 4, 5, 6], [1, 7, 8], [1, 9, 10, 11, 12]]
@@ -86,19 +85,37 @@ def test_engine_seeds_make_one_unseeded_request_per_prompt():
     assert [s.group_id for s in samples] == [0, 0, 1, 1, 2, 2]
 
 
-def test_in_process_engine_core_is_refused_beside_a_distributed_world(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("this test process already has a torch.distributed world")
+GUARD = textwrap.dedent("""
+    import sys
+    import torch.distributed as dist
+    from opkd_mcore.rollout import RolloutConfig
+    from opkd_mcore.rollout.vllm_rollout import check_in_process_engine
+
     check_in_process_engine(RolloutConfig(engine_in_process=True))  # no world: allowed
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="engine_in_process.*torch.distributed world"):
-            check_in_process_engine(RolloutConfig(engine_in_process=True))
-        check_in_process_engine(RolloutConfig(engine_in_process=False))
-        # at TP > 1 the workers are processes of their own: only the engine core joins this one
-        check_in_process_engine(RolloutConfig(engine_in_process=True, tensor_parallel_size=2))
-    finally:
-        dist.destroy_process_group()
+        check_in_process_engine(RolloutConfig(engine_in_process=True))
+        print("ALLOWED")
+    except ValueError as e:
+        print("REFUSED " + str(e))
+    check_in_process_engine(RolloutConfig(engine_in_process=False))
+    # at TP > 1 the workers are processes of their own: only the engine core joins this one
+    check_in_process_engine(RolloutConfig(engine_in_process=True, tensor_parallel_size=2))
+    dist.destroy_process_group()
+    print("DONE")
+""")
+
+
+def test_in_process_engine_core_is_refused_beside_a_distributed_world(tmp_path):
+    """A process of its own: the suite's process may hold a torch.distributed world already."""
+    run = subprocess.run([sys.executable, "-c", GUARD, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.split("\n")
+    refused = [line for line in lines if line.startswith(("REFUSED", "ALLOWED"))]
+    assert len(refused) == 1 and refused[0].startswith("REFUSED"), run.stdout
+    assert "engine_in_process" in refused[0] and "torch.distributed world" in refused[0], refused[0]
+    assert "DONE" in lines, run.stdout
 
 
 CHILD = textwrap.dedent("""
