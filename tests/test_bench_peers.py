@@ -1,12 +1,14 @@
 """`opkd bench peers` on CPU: the workload definition and its --help, the plain runner on a tiny model
 pair (rows, times, token counts), the plain objective against the project's own loss, the overrides
-each runner derives from the workload, and the table's medians and ratios. The opkd runner (a real
-vLLM engine) is the slow test; TRL's and verl's runs belong to the GPU machine."""
+each runner derives from the workload, the table's medians and ratios, and the TRL runner's step
+accounting against a stand-in for TRL's trainer loop. The opkd runner (a real vLLM engine) is the slow
+test; TRL's and verl's runs belong to the GPU machine."""
 from __future__ import annotations
 
 import contextlib
 import io
 import sys
+import time
 from dataclasses import asdict, fields, replace
 
 import pytest
@@ -17,7 +19,7 @@ from opkd_mcore.config.loader import load_config
 from opkd_mcore.data import ALPHABET
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, kd_loss
 from opkd_mcore.models.tiny import save_tiny_hf_model
-from tools import bench_peers, bench_peers_verl, plain_step
+from tools import bench_peers, bench_peers_trl, bench_peers_verl, plain_step
 
 STEP_KEYS = {f.name for f in fields(bench_peers.StepRow)}
 
@@ -159,6 +161,84 @@ def test_verl_with_one_gpu_and_a_missing_peer_fail_with_what_stopped_them(tmp_pa
         bench_peers.run_verl(w, str(tmp_path), {})
     with pytest.raises(bench_peers.RunnerFailed, match="no_such_peer is not importable by"):
         bench_peers.python_can_import(sys.executable, "no_such_peer")
+
+
+def test_trl_token_count_leaves_the_padding_out():
+    pad, eos = 0, 9
+    right_padded = torch.tensor([[5, 6, 7, 0, 0], [8, 0, 0, 0, 0], [1, 2, 3, 4, 6], [0, 0, 0, 0, 0]])
+    assert bench_peers_trl.response_token_count(right_padded, pad, [eos]) == 3 + 1 + 5 + 0
+    # a pad id that is also an EOS id: each row counts up to and including its first EOS
+    eos_padded = torch.tensor([[5, 9, 9, 9], [5, 6, 7, 8], [9, 9, 9, 9], [4, 9, 3, 9]])
+    assert bench_peers_trl.response_token_count(eos_padded, 9, [eos, 7]) == 2 + 4 + 1 + 2
+    # what TRL's _generate_single_turn returns: unpadded id lists (vLLM's token_ids)
+    assert bench_peers_trl.response_token_count([[1, 2, 9], [3], []], pad, [eos]) == 4
+    with pytest.raises(ValueError, match="pad_token_id"):
+        bench_peers_trl.response_token_count(right_padded, None, [eos])
+
+
+class _TrlLikeTrainer:
+    """What the TRL runner touches of TRL's DistillationTrainer, and its loop: `on_step_begin` before
+    the first micro-step of an optimizer step, `on_step_end` after the last; generation in the micro-steps
+    `generate_at` names, each call syncing weights first and returning a right-padded batch."""
+
+    def __init__(self, model, teacher_model, args, train_dataset):
+        self.plan, self.teacher_model, self.callbacks = args, teacher_model, []
+        self.accelerator = type("Accelerator", (), {"unwrap_model": staticmethod(lambda m: m)})()
+        self._tokenizer = type("Tokenizer", (), {"pad_token_id": 0})()
+        self.eos_token_ids, self.use_vllm = [9], True
+        self.vllm_generation = type("Gen", (), {})()
+        self.vllm_generation.sync_weights = lambda: time.sleep(0.01)
+
+    def add_callback(self, callback):
+        self.callbacks.append(callback)
+
+    def _generate_single_turn(self, prompt_ids, images, fields):
+        self.vllm_generation.sync_weights()
+        time.sleep(0.02)
+        return self.plan["batch"]
+
+    def _get_last_hidden_state(self, model, *rest):
+        return None
+
+    def train(self):
+        for generate_at in self.plan["generate_at"]:
+            for cb in self.callbacks:
+                cb.on_step_begin(self.plan, None, None)
+            for micro in range(self.plan["accumulation"]):
+                if micro in generate_at:
+                    self._generate_single_turn([], None, {})
+                self._get_last_hidden_state(self.teacher_model)
+            for cb in self.callbacks:
+                cb.on_step_end(self.plan, None, None)
+
+
+def test_trl_runner_sums_every_generate_call_of_an_optimizer_step():
+    w = bench_peers.Workload(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=5, steps=2,
+                             warmup_steps=1)
+    batch = torch.tensor([[5, 6, 7, 0, 0], [8, 0, 0, 0, 0], [1, 2, 3, 4, 6], [1, 9, 0, 0, 0]])
+    plan = {"batch": batch, "accumulation": 4, "generate_at": [{0}, {0}, {0, 2}]}
+    rows = bench_peers_trl.train(w, ["p"] * 4, plan, False, False, _TrlLikeTrainer, object, "trl fake")
+    assert [r.warmup for r in rows] == [True, False, False]
+    assert [r.generation_calls for r in rows] == [1, 1, 2]
+    assert [r.response_tokens for r in rows] == [11, 11, 22]
+    assert rows[1].notes == "vLLM colocated; 1 generate call of 4 sequences in the step"
+    assert rows[2].notes == "vLLM colocated; 2 generate calls of 8 sequences in the step (the workload: 4)"
+    for row in rows:  # the weight sync inside each generate call is the weight update, not generation
+        assert row.generation_s >= 0.02 * row.generation_calls
+        assert row.weight_update_s >= 0.01 * row.generation_calls
+        assert row.train_s >= 0 and row.step_s >= row.generation_s + row.weight_update_s
+
+
+def test_a_peer_generating_other_token_counts_shows_both():
+    w = bench_peers.Workload()
+    summaries = [bench_peers.summarize("opkd", "a", w, [_row("opkd", 0, 1.0, tokens=120)]),
+                 bench_peers.summarize("trl", "a", w, [_row("trl", 0, 1.0, tokens=100)]),
+                 bench_peers.summarize("plain", "a", w, [_row("plain", 0, 1.0, tokens=120)])]
+    bench_peers.add_ratios(summaries)
+    table = bench_peers.table_rows(summaries)
+    assert table[1]["response tokens"] == "100 (opkd 120)" and "against opkd's 120" in table[1]["notes"]
+    assert table[2]["response tokens"] == "120" and table[2]["notes"] == ""
+    assert summaries[1]["opkd_ratio"] == 1.2
 
 
 @pytest.mark.slow

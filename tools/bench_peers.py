@@ -135,6 +135,7 @@ class StepRow:
     teacher_s: float | None = None
     train_s: float | None = None
     weight_update_s: float | None = None
+    generation_calls: int | None = None  # generate calls in the step, where the runner counts them
     peak_memory_gib: list[float] | None = None  # per GPU (or the host's peak RSS on a CPU run)
     memory_source: str = ""
     version: str = ""  # the trainer's package and version
@@ -358,6 +359,8 @@ def summarize(runner: str, pair: str, w: Workload, rows: list[StepRow]) -> dict:
         values = [getattr(r, stage) for r in measured if getattr(r, stage) is not None]
         out[stage] = _median_range(values) if values else None
     out["response_tokens"] = statistics.median(r.response_tokens for r in measured)
+    calls = [r.generation_calls for r in measured if r.generation_calls is not None]
+    out["generation_calls"] = statistics.median(calls) if calls else None
     out["tokens_per_s"] = _median_range([r.response_tokens / r.step_s for r in measured])
     peaks = [r.peak_memory_gib for r in rows if r.peak_memory_gib]
     out["peak_memory_gib"] = [max(col) for col in zip(*peaks)] if peaks else None
@@ -372,7 +375,9 @@ def _teacher_label(w: Workload) -> str:
 def add_ratios(summaries: list[dict]) -> None:
     """Against opkd's row of the same pair (None where opkd or the stage did not run): `opkd_ratio` =
     opkd's response tokens/s over this row's (whole steps; the plain row times its train stage only),
-    `opkd_train_speedup` = this row's train seconds over opkd's (the plain baseline's comparison)."""
+    `opkd_train_speedup` = this row's train seconds over opkd's (the plain baseline's comparison). A
+    row whose steps generated a different number of response tokens than opkd's keeps opkd's count
+    beside its own (`opkd_response_tokens`) and says so in its notes: its tokens/s is not of the same work."""
     opkd = {s["pair"]: s for s in summaries if s["runner"] == "opkd" and s.get("tokens_per_s")}
     for s in summaries:
         ref = opkd.get(s["pair"])
@@ -381,6 +386,12 @@ def add_ratios(summaries: list[dict]) -> None:
         ref_train = (ref or {}).get("train_s") or {}
         s["opkd_train_speedup"] = (round(train / ref_train["p50"], 3) if train and ref_train.get("p50")
                                    else None)
+        tokens = s.get("response_tokens")
+        if ref and tokens is not None and tokens != ref["response_tokens"]:
+            s["opkd_response_tokens"] = ref["response_tokens"]
+            note = (f"{tokens:g} response tokens per step against opkd's {ref['response_tokens']:g}: "
+                    "not the same generation work")
+            s["notes"] = f"{s['notes']}; {note}" if s.get("notes") else note
 
 
 def _cell(value) -> str:
@@ -398,7 +409,7 @@ TABLE = (("runner", "runner"), ("pair", "pair"), ("teacher", "teacher"), ("gpus"
          ("weight_update_s", "weight update s"), ("step_s", "step s"), ("response_tokens", "response tokens"),
          ("tokens_per_s", "response tokens/s"), ("peak_memory_gib", "peak GiB per GPU"),
          ("opkd_ratio", "opkd tokens/s ÷ this"), ("opkd_train_speedup", "this train s ÷ opkd's"),
-         ("objective", "objective"))
+         ("objective", "objective"), ("notes", "notes"))
 
 
 def table_rows(summaries: list[dict]) -> list[dict]:
@@ -408,7 +419,10 @@ def table_rows(summaries: list[dict]) -> list[dict]:
         if "error" in s:
             s = {**{k: s[k] for k in ("runner", "pair", "teacher", "gpus")},
                  "objective": "not run: " + s["error"].splitlines()[0]}
-        out.append({title: _cell(s.get(key)) for key, title in TABLE})
+        cells = {title: _cell(s.get(key)) for key, title in TABLE}
+        if s.get("opkd_response_tokens") is not None:
+            cells["response tokens"] += f" (opkd {_cell(s['opkd_response_tokens'])})"
+        out.append(cells)
     return out
 
 

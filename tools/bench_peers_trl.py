@@ -17,11 +17,29 @@ vLLM colocated in the trainer's process (`vllm_mode="colocate"`). With 2 GPUs: `
 server with NCCL weight transfer) holds the student's generation on the second GPU, the trainer and
 teacher the first.
 
+What TRL 1.16 generates per optimizer step with these settings (read from its source): the dataloader
+hands every micro-step the whole generation batch (per_device_train_batch_size x gradient_accumulation_steps
+rows, `RepeatSampler` repeating it once per micro-step: distillation_trainer.py:840-888), and
+`_prepare_inputs` generates only on the first micro-step of each optimizer step (`_step %
+gradient_accumulation_steps == 0`, distillation_trainer.py:1774-1783). So each optimizer step makes one
+`_generate_single_turn` call for all `sequences_per_step` rows (`prompts_per_step` prompts x
+`samples_per_prompt`, n = 1 each), with no skipped steps (its config has no lmbda / seq_kd: every step is
+on-policy). Colocated, that call is one `LLM.generate` of those rows (vllm_generation.py:661-754) with
+SamplingParams(n=1, max_tokens=max_completion_length, min_tokens from generation_kwargs, logprobs=None:
+distillation_trainer.py:819, no per-request seed) on an engine built with max_num_seqs = the generation
+batch (distillation_trainer.py:806), max_num_batched_tokens 4096 and its engine core in the trainer's
+process (external_launcher, vllm_generation.py:347-364). It returns a list of unpadded id lists (vLLM's
+`token_ids`; transformers' `generate` path: each row cut after its first EOS,
+distillation_trainer.py:1090-1098).
+
 Timing: TRL logs its profiling spans only to W&B / MLflow / Trackio, so this script times the
-trainer's own methods: generation = `_generate_single_turn` less the weight sync inside it, weight
-update = `vllm_generation.sync_weights`, teacher = the teacher's `_get_last_hidden_state` (its
-backbone forward; projecting its hidden states through its LM head is inside the loss, so inside
-train), step = `on_step_begin` .. `on_step_end`, train = step - generation - teacher - weight update.
+trainer's own methods: generation = every `_generate_single_turn` call of the optimizer step summed, less
+the weight sync inside it, weight update = `vllm_generation.sync_weights`, teacher = the teacher's
+`_get_last_hidden_state` (its backbone forward; projecting its hidden states through its LM head is
+inside the loss, so inside train), step = `on_step_begin` .. `on_step_end` (transformers calls them once
+per optimizer step, around all its micro-steps), train = step - generation - teacher - weight update.
+Response tokens = the tokens those calls returned (`response_token_count`: padding excluded), and each
+row says how many calls and sequences the step generated.
 
     python tools/bench_peers_trl.py WORKLOAD.json PROMPTS.jsonl ROWS.jsonl
 
@@ -48,14 +66,41 @@ from bench_peers import StepRow, Workload, write_rows  # noqa: E402
 from opkd_mcore.data import read_records  # noqa: E402
 
 
+def response_token_count(completions, pad_token_id: int | None = None, eos_token_ids=()) -> int:
+    """Response tokens in what one generate call returned, padding excluded. A list of id sequences
+    (TRL's `_generate_single_turn` returns unpadded ones) counts their lengths. A right-padded 2-D tensor
+    counts each row up to its last non-pad token, or, where the pad id is also an EOS id (Qwen's base
+    tokenizers pad with their EOS), up to and including its first EOS."""
+    if not isinstance(completions, torch.Tensor):
+        return sum(len(ids) for ids in completions)
+    if completions.dim() != 2:
+        raise ValueError(f"completions: expected a [sequences, tokens] tensor, got shape "
+                         f"{tuple(completions.shape)}")
+    if pad_token_id is None:
+        raise ValueError("completions: a padded tensor needs pad_token_id to leave its padding out")
+    columns = torch.arange(1, completions.size(1) + 1)
+    if pad_token_id in set(eos_token_ids):
+        is_eos = completions == pad_token_id
+        first_eos = torch.where(is_eos, columns, completions.size(1) + 1).amin(dim=1)
+        return int(first_eos.clamp(max=completions.size(1)).sum())
+    return int((columns * (completions != pad_token_id)).amax(dim=1).sum())
+
+
 class StageClock:
-    """Seconds per stage within the current step, the device drained around each timed call."""
+    """Seconds per stage within the current step, the device drained around each timed call, and the
+    generate calls, sequences and response tokens of the step."""
 
     def __init__(self, synchronize):
         self.sync, self.seconds = synchronize, defaultdict(float)
-        self.tokens = 0
+        self.calls = self.sequences = self.tokens = 0
 
-    def wrap(self, stage: str, fn, when=None, count_tokens: bool = False):
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls = self.sequences = self.tokens = 0
+
+    def wrap(self, stage: str, fn, when=None, count=None):
+        """`fn` timed into `stage` (only the calls where `when(*args)`); `count(out)`: the response
+        tokens of a generate call's output, counted into the step."""
         def timed(*args, **kwargs):
             if when is not None and not when(*args):
                 return fn(*args, **kwargs)
@@ -64,8 +109,10 @@ class StageClock:
             out = fn(*args, **kwargs)
             self.sync()
             self.seconds[stage] += time.perf_counter() - start
-            if count_tokens:
-                self.tokens += sum(len(ids) for ids in out)
+            if count is not None:
+                self.calls += 1
+                self.sequences += len(out)
+                self.tokens += count(out)
             return out
         return timed
 
@@ -144,8 +191,10 @@ def main(argv=None) -> int:
                              "names the server's GPU")
         server, port = start_vllm_server(w, server_gpu, os.path.join(run_dir, "vllm_server.log"))
     try:
-        rows = train(w, read_records(prompts_path), run_dir, on_gpu, port, DistillationTrainer,
-                     TrainerCallback, Dataset, f"trl {trl.__version__}")
+        # each prompt `samples_per_prompt` rows in a row: TRL samples n = 1 per row
+        prompts = [r["prompt"] for r in read_records(prompts_path) for _ in range(w.samples_per_prompt)]
+        rows = train(w, prompt_dataset(Dataset, prompts), build_config(w, run_dir, on_gpu, port), on_gpu,
+                     port is not None, DistillationTrainer, TrainerCallback, f"trl {trl.__version__}")
     finally:
         if server is not None:
             server.terminate()
@@ -166,26 +215,37 @@ def prompt_dataset(dataset_cls, prompts: list[str]):
     return dataset_cls(InMemoryTable.from_pydict({"prompt": prompts}), fingerprint=f"opkd-peers-{digest}")
 
 
-def train(w, records, run_dir, on_gpu, port, trainer_cls, callback_cls, dataset_cls,
-          version) -> list[StepRow]:
-    """Run the trainer with its methods timed; one StepRow per optimizer step."""
-    dataset = prompt_dataset(dataset_cls, [r["prompt"] for r in records for _ in range(w.samples_per_prompt)])
+def generation_notes(mode: str, calls: int, sequences: int, w: Workload) -> str:
+    """The row's notes: where it generated, and how many calls and sequences the step made (the
+    workload's count is said beside it where they differ)."""
+    text = f"{mode}; {calls} generate call{'s' if calls != 1 else ''} of {sequences} sequences in the step"
+    if sequences != w.sequences_per_step:
+        text += f" (the workload: {w.sequences_per_step})"
+    return text
+
+
+def train(w, dataset, args, on_gpu, served, trainer_cls, callback_cls, version) -> list[StepRow]:
+    """Run the trainer on `dataset` (`args`: its config; `served`: generation on `trl vllm-serve`) with
+    its methods timed; one StepRow per optimizer step."""
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     clock, rows = StageClock(sync), []
-    args = build_config(w, run_dir, on_gpu, port)
     trainer = trainer_cls(model=w.student, teacher_model=w.teacher, args=args, train_dataset=dataset)
     teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
-    trainer._generate_single_turn = clock.wrap("generation", trainer._generate_single_turn, count_tokens=True)
+    pad_id, eos_ids = trainer._tokenizer.pad_token_id, list(trainer.eos_token_ids)
+    trainer._generate_single_turn = clock.wrap(
+        "generation", trainer._generate_single_turn,
+        count=lambda out: response_token_count(out, pad_id, eos_ids))
     trainer._get_last_hidden_state = clock.wrap("teacher", trainer._get_last_hidden_state,
                                                 when=lambda model, *rest: model is teacher)
     if trainer.use_vllm:
         gen = trainer.vllm_generation
         gen.sync_weights = clock.wrap("weight_update", gen.sync_weights)
+    mode = ("vLLM server on the second GPU" if served else
+            "vLLM colocated" if trainer.use_vllm else "transformers generate (no vLLM)")
 
     class StepTimer(callback_cls):
         def on_step_begin(self, args, state, control, **kwargs):
-            clock.seconds.clear()
-            clock.tokens = 0
+            clock.reset()
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats()
             sync()
@@ -202,9 +262,9 @@ def train(w, records, run_dir, on_gpu, port, trainer_cls, callback_cls, dataset_
                 generation_s=generation, teacher_s=s["teacher"],
                 weight_update_s=s["weight_update"] if trainer.use_vllm else None,
                 train_s=step_s - s["generation"] - s["teacher"], response_tokens=clock.tokens,
-                objective=objective(w), peak_memory_gib=peak, memory_source=source, version=version,
-                notes=("vLLM server on the second GPU" if port else
-                       "vLLM colocated" if trainer.use_vllm else "transformers generate (no vLLM)")))
+                generation_calls=clock.calls, objective=objective(w), peak_memory_gib=peak,
+                memory_source=source, version=version,
+                notes=generation_notes(mode, clock.calls, clock.sequences, w)))
 
     trainer.add_callback(StepTimer())
     trainer.train()
