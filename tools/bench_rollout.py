@@ -27,7 +27,11 @@ and the A/B set (`--modes ab`), each in a fresh process of its own, one engine a
   trl                     a plain `vllm.LLM` built as TRL 1.16's colocated generation builds it
                           (`trl/generation/vllm_generation.py`: external_launcher, max_num_batched_tokens
                           4096, processed logprobs, engine seed, prompts repeated n times as token ids,
-                          n=1, logprobs=0, detokenizing, use_tqdm off, its logprob extraction timed too)
+                          n=1, detokenizing, use_tqdm off) for its GRPO trainer: logprobs=0, their
+                          extraction timed too
+  trl_kd                  the same engine as TRL's DistillationTrainer asks it (the `trl` runner of
+                          `opkd bench peers`): no logprobs (logprobs=None), max_num_seqs = the batch,
+                          min_tokens = max_tokens
 """
 from __future__ import annotations
 
@@ -57,9 +61,10 @@ MODES = {
     # optional: a vLLM without the V2 runner for this platform refuses it (the row says so)
     "v2_runner": {"child": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "optional": True},
     "trl": {"child": True, "trl": True},
+    "trl_kd": {"child": True, "trl": True, "distillation": True},
 }
-AB_MODES = ("trl", "opkd", "opkd_detokenize", "engine_seeds", "core_in_process", "engine_seeds_in_process",
-            "v2_runner")
+AB_MODES = ("trl", "trl_kd", "opkd", "opkd_detokenize", "engine_seeds", "core_in_process",
+            "engine_seeds_in_process", "v2_runner")
 CHILD_MARK = "BENCH_ROLLOUT_CHILD "
 
 
@@ -128,9 +133,11 @@ def generate_times(model: str, mode: str, prompts: int, n: int, max_new: int, ca
 
 
 def trl_generate_times(model: str, prompts: int, n: int, max_new: int, calls: int, memory: float,
-                       eager: bool = True) -> dict:
+                       eager: bool = True, distillation: bool = False) -> dict:
     """The same batch through a `vllm.LLM` configured as TRL 1.16's colocated `VLLMGeneration` builds it
-    (its own process: external_launcher sets this process's torch.distributed world and vLLM's mode)."""
+    (its own process: external_launcher sets this process's torch.distributed world and vLLM's mode).
+    `distillation`: as its DistillationTrainer asks (distillation_trainer.py:806, 819: max_num_seqs = the
+    generation batch, no logprobs; `opkd bench peers` passes min_tokens = max_tokens), else as GRPO."""
     import torch
     from vllm import LLM, SamplingParams
 
@@ -140,24 +147,25 @@ def trl_generate_times(model: str, prompts: int, n: int, max_new: int, calls: in
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     llm = LLM(model=model, tensor_parallel_size=1, gpu_memory_utilization=memory, max_model_len=max_new + 64,
-              max_num_seqs=None, enable_sleep_mode=False, model_impl="auto",
+              max_num_seqs=prompts * n if distillation else None, enable_sleep_mode=False, model_impl="auto",
               distributed_executor_backend="external_launcher", seed=0, max_num_batched_tokens=4096,
               logprobs_mode="processed_logprobs", quantization=None, trust_remote_code=False,
               enforce_eager=eager)
-    params = SamplingParams(n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0,
-                            max_tokens=max_new, logprobs=0)
+    asked = {"logprobs": None, "min_tokens": max_new} if distillation else {"logprobs": 0}
+    params = SamplingParams(n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                            max_tokens=max_new, **asked)  # top_k 0: TRL's default, vLLM's "off"
     inputs = [{"prompt_token_ids": ids} for ids in prompt_batch(model, prompts) for _ in range(n)]
     seconds, tokens = [], 0
     for _ in range(calls):
         start = time.perf_counter()
         outputs = llm.generate(inputs, sampling_params=params, use_tqdm=False)
         completions = [o.token_ids for out in outputs for o in out.outputs]
-        # trl's extract_logprobs, less its NaN check
-        logprobs = [[[v.logprob for _, v in sorted(lp.items(), key=lambda kv: kv[1].rank)]
-                     for lp in o.logprobs] for out in outputs for o in out.outputs]
+        if not distillation:  # trl's extract_logprobs, less its NaN check
+            logprobs = [[[v.logprob for _, v in sorted(lp.items(), key=lambda kv: kv[1].rank)]
+                         for lp in o.logprobs] for out in outputs for o in out.outputs]
+            assert len(logprobs) == len(completions)
         seconds.append(time.perf_counter() - start)
         tokens = sum(len(c) for c in completions)
-        assert len(logprobs) == len(completions)
     return {"seconds": seconds, "tokens": tokens, "dtype": str(llm.llm_engine.model_config.dtype),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads()}
 
@@ -202,7 +210,7 @@ def run_mode(args, mode: str) -> dict:
     sizes = (args.prompts, args.n, args.max_new_tokens, args.calls, args.gpu_memory_utilization,
              not args.cuda_graphs)
     if args.child and spec.get("trl"):
-        return trl_generate_times(args.model, *sizes)
+        return trl_generate_times(args.model, *sizes, distillation=spec.get("distillation", False))
     if args.child:
         return generate_times(args.model, mode, *sizes)
     if spec.get("child"):
