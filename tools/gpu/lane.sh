@@ -56,6 +56,9 @@
 #                                         # into vLLM vs raw, EP=1 then EP=2 (2 GPUs; MOE_LAYERS, MOE_LAYOUTS)
 #   bash tools/gpu/lane.sh train_moe      # opkd train, the same MoE student at EP=2 (2 GPUs; 8 layers on
 #                                         # H200s, 4 on H100s unless MOE_LAYERS), rollout + teacher on GPU 0
+#   bash tools/gpu/lane.sh peers_trl      # TRL's row beside opkd train's (0.6B <- 1.7B, top-64, 1 GPU, ~6 min;
+#                                         # the peers' wheels installed first: tools/gpu/README.md): per step
+#                                         # TRL's generate calls, sequences and response tokens (its notes)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -385,5 +388,14 @@ case "${1:-}" in
     cp /tmp/runs/tmoe$t/metrics.jsonl "$OUT/train_moe${t}_metrics.jsonl" && \
         python3 tools/gpu/step_table.py "$OUT/train_moe${t}_metrics.jsonl" || tail -30 "$OUT/train_moe$t.log"
     grep "peak GPU memory" "$OUT/train_moe$t.log" ;;
+  peers_trl)  # opkd bench peers, TRL then opkd train on one GPU; the table's notes say how many generate
+              # calls and sequences each TRL step made, and its response tokens beside opkd's where they differ
+    python3 -c "import trl" 2>/dev/null || { echo "trl is not importable: install the peers' wheels" \
+        "(tools/gpu/README.md, Against other trainers)"; exit 1; }
+    python3 -m opkd_mcore.cli bench peers --runners trl,opkd --pairs 0.6b:1.7b --teacher topk:64 --gpus 1 \
+        --make-models --timeout 280 --out /tmp/peers_trl --results "$OUT/results.jsonl" "${@:2}" \
+        > "$OUT/bench_peers_trl.log" 2>&1
+    cp /tmp/peers_trl/0.6b_from_1.7b_top-64_1gpu/trl/steps.jsonl "$OUT/peers_trl_steps.jsonl" 2>/dev/null
+    grep -E "^\|" "$OUT/bench_peers_trl.log" || tail -30 "$OUT/bench_peers_trl.log" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
