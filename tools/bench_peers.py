@@ -23,7 +23,9 @@ Response lengths: with `fixed_length` every response is exactly max_new_tokens w
 force it (plain: by construction; TRL: vLLM's min_tokens = max_new_tokens; verl: rollout.ignore_eos).
 `opkd train` has no such option: the random-weight checkpoints almost never sample EOS (one id of
 151936), so its responses run to max_new_tokens; every row reports the tokens actually trained on and
-tokens/s divides those.
+tokens/s divides those (TRL's: what its generate calls of the optimizer step returned, padding left out;
+its notes say how many calls and sequences). A peer whose count differs from opkd's shows both, and its
+notes say it did not do the same generation work.
 """
 from __future__ import annotations
 
