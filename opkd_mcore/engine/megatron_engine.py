@@ -81,6 +81,8 @@ class MegatronEngine:
         self.optimizer = self.scheduler = None
         self.num_steps = 0
         self.num_skipped_steps = 0  # steps whose loss or gradient norm was not finite
+        # an applied step with optim.overlap_param_gather leaves the chunks' params stale (`fresh_params`)
+        self._params_stale = False
         self.teacher = teacher  # InStepTeacher or None
         if teacher is not None and self.vocab_size is not None and not teacher.own_vocabulary:
             teacher.vocab_size = min(teacher.vocab_size, self.vocab_size)
@@ -372,7 +374,9 @@ class MegatronEngine:
         if applied:
             self.scheduler.step(increment=1)
             self.num_steps += 1
+            self._params_stale = self.optim_config.overlap_param_gather
             if self.teacher is not None:  # a teacher that follows the student (EMA) takes the new weights
+                self.fresh_params()
                 self.teacher.after_update(self.model)
         elif not finite_loss or not math.isfinite(grad_norm):
             self.num_skipped_steps += 1
@@ -393,6 +397,7 @@ class MegatronEngine:
         """`forward_logits` for several batches in one pipeline pass (one micro-batch each)."""
         from megatron.core import parallel_state as ps
 
+        self.fresh_params()
         was_training = [chunk.training for chunk in self.model]
         for chunk in self.model:
             chunk.eval()
@@ -432,11 +437,29 @@ class MegatronEngine:
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Model + optimizer + scheduler state as a Megatron distributed checkpoint (collective)."""
+        self.fresh_params()
         save_engine_checkpoint(self, ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """Restore what `save_checkpoint` wrote; any TP/PP layout may load it (collective)."""
         load_engine_checkpoint(self, ckpt_dir)
+        self._params_stale = False  # every rank loaded whole parameters
+
+    def fresh_params(self) -> None:
+        """Make the chunks' parameters those of the last optimizer step, before anything reads them.
+
+        With `optim.overlap_param_gather` an optimizer step updates only this DP rank's shard of the
+        params and leaves the all-gather of the rest to the next forward's pre-hooks, so between a step
+        and the next forward the weights are stale. Everything that reads them in between (the weight
+        export into the rollout engine, checkpoints, an HF export, an EMA teacher, a forward-only pass)
+        calls this first. Collective over the data-parallel group (every DP rank calls it at the same
+        point); a no-op when the params are current (no overlap, or no step since the last call).
+        """
+        if not self._params_stale:
+            return
+        for chunk in self.model:
+            chunk.start_param_sync(force_sync=True)  # waits for one in flight, else gathers now
+        self._params_stale = False
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         for chunk in self.model:
