@@ -92,9 +92,49 @@ def _run(hf_dir: str, ckpt_dir: str, overlap: bool) -> dict:
         destroy_parallel()
 
 
+def _fused_head_loss_fn(head, batch: PackedBatch):
+    """Cross entropy of the logits the fused LM head would compute, from its `LmHeadInput`."""
+    return _loss_fn(head.hidden.float() @ head.weight.float().t(), batch)
+
+
+def _run_fused_head(hf_dir: str, overlap: bool) -> dict:
+    """The fused LM head reads the output weight without running the output layer (whose forward
+    pre-hook would wait for its all-gather); a bucket per parameter puts that weight's all-gather last.
+    Both runs overlap the grad reduction (the same buckets, so the same sums); one the param gather too."""
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.engine import megatron_engine
+    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
+    from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
+
+    def small_buckets(cfg):
+        ddp = real_ddp_config(cfg)
+        ddp.bucket_size = 1000
+        return ddp
+
+    real_ddp_config, megatron_engine.ddp_config = megatron_engine.ddp_config, small_buckets
+    init_parallel(ParallelConfig(tp=1, pp=1, seed=7))
+    try:
+        chunks = build_model(load_hf_config(hf_dir))
+        load_hf_weights(chunks, hf_dir)
+        optim = OptimSection(lr=5e-3, clip_grad=0.05, use_distributed_optimizer=True,
+                             overlap_grad_reduce=True, overlap_param_gather=overlap)
+        engine = megatron_engine.MegatronEngine(chunks, optim)
+        losses = [engine.train_step(_my_micro_batches(), _fused_head_loss_fn,
+                                    fused_lm_head=True)["train/loss"] for _ in range(STEPS)]
+        engine.fresh_params()
+        return {"losses": losses, "final": _named_params(engine.model),
+                "buckets": len(engine.model[0].bucket_groups)}
+    finally:
+        megatron_engine.ddp_config = real_ddp_config
+        destroy_parallel()
+
+
 def _worker(rank, world, hf_dir, ckpt_root):
-    return {name: _run(hf_dir, f"{ckpt_root}/{name}", overlap) for name, overlap in
+    runs = {name: _run(hf_dir, f"{ckpt_root}/{name}", overlap) for name, overlap in
             (("plain", False), ("overlap", True))}
+    runs.update({f"fused_{name}": _run_fused_head(hf_dir, overlap) for name, overlap in
+                 (("plain", False), ("overlap", True))})
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +186,11 @@ def test_a_forward_only_pass_after_a_step_runs_on_the_fresh_weights(runs):
         torch.testing.assert_close(rank["overlap"]["logits"], rank["plain"]["logits"], rtol=0, atol=0)
         _assert_equal_dicts(rank["overlap"]["params_after_forward"],
                             rank["plain"]["params_after_forward"], "params after the forward-only pass")
+
+
+def test_the_fused_lm_head_reads_the_gathered_output_weight(runs):
+    for rank in runs:
+        plain, overlap = rank["fused_plain"], rank["fused_overlap"]
+        assert overlap["buckets"] == plain["buckets"] > 2  # the output weight's all-gather comes last
+        assert overlap["losses"] == plain["losses"]
+        _assert_equal_dicts(overlap["final"], plain["final"], "weights after fused-LM-head steps")

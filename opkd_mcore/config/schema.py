@@ -284,7 +284,7 @@ class OptimSection:
     """overlap DP gradient reduction with backward (GPU only)"""
     overlap_param_gather: bool = False
     """distributed optimizer: overlap the param all-gather after each optimizer step with the next forward
-    (Megatron's forward pre-hooks); needs use_distributed_optimizer and overlap_grad_reduce (GPU only)"""
+    (Megatron's forward pre-hooks); needs use_distributed_optimizer and overlap_grad_reduce"""
     grad_reduce_in_fp32: bool = True
     """reduce bf16 gradients in fp32 across DP"""
 

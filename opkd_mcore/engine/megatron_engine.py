@@ -187,7 +187,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         gpt = gpt_model(model)
-        weight = output_weight(gpt)
+        weight = self._gathered(output_weight(gpt))
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group())
         # a wrapper that upcasts last-stage outputs (Megatron's Float16Module) would hand over float32
         rows = rows if rows.dtype == weight.dtype else rows.to(weight.dtype)
@@ -200,7 +200,8 @@ class MegatronEngine:
 
         gpt = model.teacher[0]
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group(), trainable=False)
-        weight = output_weight(gpt).detach().to(dtype)
+        # a self teacher's output weight is the student's own
+        weight = self._gathered(output_weight(gpt)).detach().to(dtype)
         return HiddenTeacher(rows.detach().to(dtype), weight, self.teacher.vocab_size)
 
     def _own_packing_teacher(self, model, hidden_SBH: torch.Tensor, batch: PackedBatch, dtype: torch.dtype,
@@ -444,6 +445,16 @@ class MegatronEngine:
         """Restore what `save_checkpoint` wrote; any TP/PP layout may load it (collective)."""
         load_engine_checkpoint(self, ckpt_dir)
         self._params_stale = False  # every rank loaded whole parameters
+
+    def _gathered(self, param: torch.Tensor) -> torch.Tensor:
+        """`param` once its overlapped all-gather has landed. The fused LM head reads the output weight
+        without running the output layer, whose forward pre-hook would otherwise wait for it."""
+        if self.optim_config is not None and self.optim_config.overlap_param_gather:
+            for chunk in self.model:
+                bucket_group = chunk.param_to_bucket_group.get(param)
+                if bucket_group is not None:  # dispatches the all-gather if no hook has yet
+                    bucket_group.finish_param_sync()
+        return param
 
     def fresh_params(self) -> None:
         """Make the chunks' parameters those of the last optimizer step, before anything reads them.
