@@ -232,3 +232,47 @@ def test_bench_train_step_refuses_a_layout_that_cannot_run_before_any_group_form
     with pytest.raises(SystemExit, match=message):
         bench_train_step.check_layout(bench_train_step.parse_args(argv), world)
     assert bench_train_step.check_layout(bench_train_step.parse_args(["--cp", "1"]), 4) == 4
+
+
+def test_bench_models_moe_tokens_per_rank_and_optimizer_flags(monkeypatch, capsys):
+    """`--tokens-per-rank` becomes micro-batches of `--seq` tokens; `--distributed-optimizer` and
+    `--overlap` become the engine's optimizer options (valid ones); a count that is no multiple is refused."""
+    from tools import bench_models
+    from tools.bench_models_moe import optim_section, optimizer_name
+
+    def parse(*argv):
+        monkeypatch.setattr(sys, "argv", ["bench_models.py", "--moe", "--seq", "32", *argv])
+        return bench_models.parse_args()
+
+    expected = {(): ((False, False, False), "replicated"),
+                ("--distributed-optimizer",): ((True, False, False), "distributed"),
+                ("--overlap",): ((True, True, True), "distributed+overlap")}
+    for flags, (options, name) in expected.items():
+        args = parse("--tokens-per-rank", "96", *flags)
+        optim = optim_section(args)
+        optim.validate()
+        assert args.micro_batch == 3 and optimizer_name(args) == name
+        assert options == (optim.use_distributed_optimizer, optim.overlap_grad_reduce,
+                           optim.overlap_param_gather)
+    assert parse("--micro-batch", "2").micro_batch == 2  # without --tokens-per-rank: as before
+    with pytest.raises(SystemExit):
+        parse("--tokens-per-rank", "50")
+    assert "--tokens-per-rank: expected a positive multiple of --seq=32, got 50" in capsys.readouterr().err
+
+
+def test_bench_models_moe_trains_with_the_overlapped_distributed_optimizer_on_cpu(tmp_path):
+    """The lane's `MOE_OVERLAP=1 MOE_TOKENS=...` run in miniature: 2 ranks (EP=2), 2 micro-batches each."""
+    out = tmp_path / "moe.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    shape = ["--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+             "--vocab", "256", "--seq", "32", "--experts", "4", "--topk", "2", "--moe-ffn", "32"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           "2", "tools/bench_models.py", "--moe", *shape, "--warmup", "1", "--steps", "1",
+                           "--tokens-per-rank", "64", "--overlap", "--moe-experts", "sequential",
+                           "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["optimizer"] == "distributed+overlap"
+    assert (row["tokens_per_rank"], row["micro_batches_per_rank"]) == (64, 2)
+    assert row["tokens_per_step"] == 128 and row["ep"] == 2 and 0 < row["loss"] < float("inf")

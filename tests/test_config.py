@@ -444,3 +444,15 @@ def test_vocabulary_without_tokenizers_warns(base, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="opkd_mcore.config.validate"):
         load_config(base, [f"teacher.teachers.0.model={padded}"])
     assert "cannot check" in caplog.text and "96" in caplog.text
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer_and_overlapped_grad_reduce(base):
+    """The overlapped param all-gather is the distributed optimizer's (Megatron-LM also requires the
+    overlapped grad reduction with it): refused by key before anything starts, accepted with both."""
+    _reject(base, ["optim.overlap_param_gather=true"], "optim.overlap_param_gather",
+            "use_distributed_optimizer=False")
+    _reject(base, ["optim.overlap_param_gather=true", "optim.use_distributed_optimizer=true"],
+            "optim.overlap_param_gather", "overlap_grad_reduce=False")
+    cfg = load_config(base, ["optim.overlap_param_gather=true", "optim.use_distributed_optimizer=true",
+                             "optim.overlap_grad_reduce=true"])
+    assert cfg.optim.overlap_param_gather and cfg.optim.use_distributed_optimizer

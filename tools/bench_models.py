@@ -19,6 +19,12 @@ experts implementation of `--moe-experts` (side by side in one table):
 
     torchrun --nproc-per-node 2 tools/bench_models.py --moe --layers 8 --seq 4096 --out moe.json \
         --moe-experts sequential,torch_grouped,te_grouped
+
+`--tokens-per-rank N` trains each rank on N tokens per step, as micro-batches of `--seq` tokens (what
+the per-step costs, Adam and the DP gradient / param collectives, amortise over). The optimizer is
+Megatron's Adam with DP-replicated state unless `--distributed-optimizer` (state sharded over DP)
+or `--overlap` (sharded, with the DP gradient reduce-scatter overlapped with backward and the param
+all-gather with the next forward: `optim.overlap_grad_reduce` + `optim.overlap_param_gather`).
 """
 from __future__ import annotations
 
@@ -58,6 +64,14 @@ def parse_args():
                    help="--moe: comma-separated experts implementations (model.moe_experts: auto, "
                         "te_grouped, torch_grouped, sequential), timed one after the other on the same "
                         "shape and batches, one table row each")
+    p.add_argument("--tokens-per-rank", type=int, default=None,
+                   help="--moe: tokens per rank per step, as micro-batches of --seq tokens (a multiple of "
+                        "--seq; default: --seq x --micro-batch)")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="--moe: shard Adam's state over DP (optim.use_distributed_optimizer)")
+    p.add_argument("--overlap", action="store_true",
+                   help="--moe: the distributed optimizer with optim.overlap_grad_reduce and "
+                        "optim.overlap_param_gather (DP collectives overlapped with backward / forward)")
     p.add_argument("--profile", default=None,
                    help="--moe: trace one more step of each implementation; operators by GPU time into "
                         "PREFIX_<impl>.txt (rank 0)")
@@ -66,6 +80,11 @@ def parse_args():
         for key, value in (("heads", 32), ("kv_heads", 4), ("layers", 8)):
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, value)
+    if args.tokens_per_rank is not None:
+        if args.tokens_per_rank <= 0 or args.tokens_per_rank % args.seq:
+            p.error(f"--tokens-per-rank: expected a positive multiple of --seq={args.seq}, "
+                    f"got {args.tokens_per_rank}")
+        args.micro_batch = args.tokens_per_rank // args.seq
     return args
 
 

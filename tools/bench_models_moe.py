@@ -7,6 +7,7 @@ import tempfile
 
 from bench_common import record, run_metadata, time_it  # tools/ is on the path: bench_models.py runs this
 
+from opkd_mcore.config.schema import OptimSection
 from opkd_mcore.platform.profiling import profiled
 
 
@@ -18,6 +19,20 @@ def _peak_memory_gib(on_gpu: bool) -> float:
     if on_gpu:
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def optim_section(args):
+    """The engine's optimizer options of `--distributed-optimizer` / `--overlap`."""
+    sharded = args.distributed_optimizer or args.overlap
+    return OptimSection(lr=1e-5, clip_grad=1.0, use_distributed_optimizer=sharded,
+                        overlap_grad_reduce=args.overlap, overlap_param_gather=args.overlap)
+
+
+def optimizer_name(args) -> str:
+    """The table's name of the optimizer variant."""
+    if args.overlap:
+        return "distributed+overlap"
+    return "distributed" if args.distributed_optimizer else "replicated"
 
 
 def _loss_fn(num_global_tokens: int):
@@ -70,7 +85,6 @@ def _run_one(args, ep: int, moe_experts: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.engine.megatron_engine import MegatronEngine
     from opkd_mcore.engine.packing import pack_sequences
     from opkd_mcore.losses import DenseTeacher
@@ -88,7 +102,7 @@ def _run_one(args, ep: int, moe_experts: str) -> dict:
     experts_module = type(chunks[0].decoder.layers[0].mlp.experts).__name__
     num_params = sum(torch.Size(m.shape).numel() for m in hf_weight_metadata(chunks))
     local_params = sum(p.numel() for p in chunks[0].parameters())
-    engine = MegatronEngine(chunks, OptimSection(lr=1e-5, clip_grad=1.0))
+    engine = MegatronEngine(chunks, optim_section(args))
     device = current_device()
     gen = torch.Generator(device="cpu").manual_seed(dist.get_rank())
     batches = []
@@ -124,7 +138,8 @@ def _run_one(args, ep: int, moe_experts: str) -> dict:
         moe_experts=moe_experts, experts_module=experts_module,
         tp=args.tp or 1, ep=ep, experts=args.experts, topk=args.topk, layers=args.layers,
         params_billion=round(num_params / 1e9, 3), params_per_rank_billion=round(local_params / 1e9, 3),
-        seq=args.seq, micro_batches_per_rank=args.micro_batch, tokens_per_step=tokens,
+        seq=args.seq, micro_batches_per_rank=args.micro_batch, tokens_per_rank=args.seq * args.micro_batch,
+        tokens_per_step=tokens, optimizer=optimizer_name(args),
         dtype=str(engine.params_dtype).replace("torch.", ""),
         step_ms_median=round(timing.p50 * 1e3, 1), step_ms_p20=round(timing.p20 * 1e3, 1),
         step_ms_p80=round(timing.p80 * 1e3, 1), step_ms_min=round(min(timing.samples) * 1e3, 1),

@@ -282,6 +282,9 @@ class OptimSection:
     """shard optimizer state over the data-parallel group"""
     overlap_grad_reduce: bool = False
     """overlap DP gradient reduction with backward (GPU only)"""
+    overlap_param_gather: bool = False
+    """distributed optimizer: overlap the param all-gather after each optimizer step with the next forward
+    (Megatron's forward pre-hooks); needs use_distributed_optimizer and overlap_grad_reduce"""
     grad_reduce_in_fp32: bool = True
     """reduce bf16 gradients in fp32 across DP"""
 
@@ -312,6 +315,13 @@ class OptimSection:
         if self.lr_decay_steps is not None and self.lr_decay_steps <= 0:
             raise ValueError(f"optim.lr_decay_steps: expected > 0 or None (no decay), "
                              f"got {self.lr_decay_steps}")
+        if self.overlap_param_gather and not (self.use_distributed_optimizer
+                                              and self.overlap_grad_reduce):
+            # Megatron-LM refuses the same: the all-gather it overlaps is the distributed optimizer's,
+            # and its forward pre-hooks are only exercised with the grad reduction overlapped too
+            raise ValueError("optim.overlap_param_gather: needs optim.use_distributed_optimizer=true and "
+                             "optim.overlap_grad_reduce=true, got use_distributed_optimizer="
+                             f"{self.use_distributed_optimizer}, overlap_grad_reduce={self.overlap_grad_reduce}")
         if self.lr_decay_style != "constant":
             if self.lr_decay_steps is None or self.lr_decay_steps <= self.warmup_steps:
                 raise ValueError(f"optim.lr_decay_steps: a {self.lr_decay_style!r} decay needs "

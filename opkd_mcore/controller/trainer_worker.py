@@ -145,7 +145,7 @@ class TrainerWorker:
                                   num_receivers=num_receivers, timeout_s=ctl.sync_timeout_s,
                                   bucket_bytes=ws.bucket_mb << 20, transport=transport,
                                   tp_export=ws.tp_export, high_priority=ws.high_priority_stream)
-        self.weight_sync = MegatronWeightExport(self.chunks, groups)
+        self.weight_sync = MegatronWeightExport(self.chunks, groups, fresh_params=self.engine.fresh_params)
         return [dataclasses.asdict(g) for g in self.weight_sync.bind()]
 
     def connect_weight_sync(self) -> None:
@@ -226,6 +226,7 @@ class TrainerWorker:
         return dataclasses.asdict(load_checkpoint(require_checkpoint(out), self.engine))
 
     def export_hf(self, out: str) -> None:
+        self.engine.fresh_params()
         save_hf_checkpoint(self.chunks, os.path.join(out, EXPORT_DIR), src_hf_dir=self.cfg.model.student)
 
     def shutdown(self) -> None:

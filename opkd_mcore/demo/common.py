@@ -61,6 +61,7 @@ def supervised(src_dir: str, out_dir: str, pairs: list, sft: SftConfig, lr: floa
         with open(log_path, "w") as f:
             run_sft(engine, pairs, sft, desc=desc, on_step=lambda step, m: f.write(
                 json.dumps({"step": step, "sft/loss": m["train/loss"]}) + "\n"))
+        engine.fresh_params()
         save_hf_checkpoint(chunks, out_dir, src_hf_dir=src_dir, progress=False)
     finally:
         destroy_parallel()

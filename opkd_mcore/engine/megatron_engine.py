@@ -81,6 +81,8 @@ class MegatronEngine:
         self.optimizer = self.scheduler = None
         self.num_steps = 0
         self.num_skipped_steps = 0  # steps whose loss or gradient norm was not finite
+        # an applied step with optim.overlap_param_gather leaves the chunks' params stale (`fresh_params`)
+        self._params_stale = False
         self.teacher = teacher  # InStepTeacher or None
         if teacher is not None and self.vocab_size is not None and not teacher.own_vocabulary:
             teacher.vocab_size = min(teacher.vocab_size, self.vocab_size)
@@ -185,7 +187,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         gpt = gpt_model(model)
-        weight = output_weight(gpt)
+        weight = self._gathered(output_weight(gpt))
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group())
         # a wrapper that upcasts last-stage outputs (Megatron's Float16Module) would hand over float32
         rows = rows if rows.dtype == weight.dtype else rows.to(weight.dtype)
@@ -198,7 +200,8 @@ class MegatronEngine:
 
         gpt = model.teacher[0]
         rows = hidden_rows(hidden_SBH, num_tokens, gpt, ps.get_tensor_model_parallel_group(), trainable=False)
-        weight = output_weight(gpt).detach().to(dtype)
+        # a self teacher's output weight is the student's own
+        weight = self._gathered(output_weight(gpt)).detach().to(dtype)
         return HiddenTeacher(rows.detach().to(dtype), weight, self.teacher.vocab_size)
 
     def _own_packing_teacher(self, model, hidden_SBH: torch.Tensor, batch: PackedBatch, dtype: torch.dtype,
@@ -372,7 +375,9 @@ class MegatronEngine:
         if applied:
             self.scheduler.step(increment=1)
             self.num_steps += 1
+            self._params_stale = self.optim_config.overlap_param_gather
             if self.teacher is not None:  # a teacher that follows the student (EMA) takes the new weights
+                self.fresh_params()
                 self.teacher.after_update(self.model)
         elif not finite_loss or not math.isfinite(grad_norm):
             self.num_skipped_steps += 1
@@ -393,6 +398,7 @@ class MegatronEngine:
         """`forward_logits` for several batches in one pipeline pass (one micro-batch each)."""
         from megatron.core import parallel_state as ps
 
+        self.fresh_params()
         was_training = [chunk.training for chunk in self.model]
         for chunk in self.model:
             chunk.eval()
@@ -432,11 +438,39 @@ class MegatronEngine:
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Model + optimizer + scheduler state as a Megatron distributed checkpoint (collective)."""
+        self.fresh_params()
         save_engine_checkpoint(self, ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """Restore what `save_checkpoint` wrote; any TP/PP layout may load it (collective)."""
         load_engine_checkpoint(self, ckpt_dir)
+        self._params_stale = False  # every rank loaded whole parameters
+
+    def _gathered(self, param: torch.Tensor) -> torch.Tensor:
+        """`param` once its overlapped all-gather has landed. The fused LM head reads the output weight
+        without running the output layer, whose forward pre-hook would otherwise wait for it."""
+        if self.optim_config is not None and self.optim_config.overlap_param_gather:
+            for chunk in self.model:
+                bucket_group = chunk.param_to_bucket_group.get(param)
+                if bucket_group is not None:  # dispatches the all-gather if no hook has yet
+                    bucket_group.finish_param_sync()
+        return param
+
+    def fresh_params(self) -> None:
+        """Make the chunks' parameters those of the last optimizer step, before anything reads them.
+
+        With `optim.overlap_param_gather` an optimizer step updates only this DP rank's shard of the
+        params and leaves the all-gather of the rest to the next forward's pre-hooks, so between a step
+        and the next forward the weights are stale. Everything that reads them in between (the weight
+        export into the rollout engine, checkpoints, an HF export, an EMA teacher, a forward-only pass)
+        calls this first. Collective over the data-parallel group (every DP rank calls it at the same
+        point); a no-op when the params are current (no overlap, or no step since the last call).
+        """
+        if not self._params_stale:
+            return
+        for chunk in self.model:
+            chunk.start_param_sync(force_sync=True)  # waits for one in flight, else gathers now
+        self._params_stale = False
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         for chunk in self.model:

@@ -26,6 +26,8 @@ def megatron_optimizer_config(cfg: OptimSection, params_dtype: torch.dtype):
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
         clip_grad=0.0, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         params_dtype=params_dtype, use_distributed_optimizer=cfg.use_distributed_optimizer,
+        # Megatron-LM sets both configs alike; the optimizer reads it only for MXFP8 param buffers
+        overlap_param_gather=cfg.overlap_param_gather,
     )
 
 
@@ -36,6 +38,9 @@ def ddp_config(cfg: OptimSection):
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, overlap_grad_reduce=cfg.overlap_grad_reduce,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
+        # the all-gather after optimizer.step() is left to the next forward's pre-hooks: the model's
+        # params are stale until then (`MegatronEngine.fresh_params`)
+        overlap_param_gather=cfg.overlap_param_gather,
         # the loss is already normalised by the global token count: gradients are summed over DP
         average_in_collective=False,
     )

@@ -337,7 +337,7 @@ RESUMABLE_KEYS = (
     "weight_sync.high_priority_stream",
     "rollout.gpu_memory_utilization", "rollout.enforce_eager",
     "loss.impl",  # reference or fused kernels: the same loss
-    "optim.overlap_grad_reduce",
+    "optim.overlap_grad_reduce", "optim.overlap_param_gather",  # when DP collectives run, not what they sum
     # who runs the stages and where (the schedule, a result key, decides what overlaps); a torchrun
     # `sync` checkpoint and a Ray `sync` one hold the same state (nothing in flight)
     "controller.*",

@@ -153,9 +153,10 @@ def colocated_transport(name: str, device: str | None) -> str:
 
 
 def build_weight_sync(chunks, rollout: VllmRollout | None, cfg: TrainConfig,
-                      port: int | None = None) -> SpmdWeightSync:
+                      port: int | None = None, fresh_params=None) -> SpmdWeightSync:
     """The connected weight sync of the torchrun layout: student (Megatron, every rank) -> rollout
-    engine (vLLM on rank 0, `rollout` there, None elsewhere), over per-stage groups."""
+    engine (vLLM on rank 0, `rollout` there, None elsewhere), over per-stage groups. `fresh_params`:
+    the student engine's `fresh_params`, run before every export."""
     # a wanted port (moved if taken) or 0: stage owners bind a free port and tell the engine
     port = port or int(os.environ.get("OPKD_SYNC_PORT", "0"))
     groups_cfg = SyncGroupsConfig(host=cfg.weight_sync.host, base_port=port,
@@ -165,7 +166,8 @@ def build_weight_sync(chunks, rollout: VllmRollout | None, cfg: TrainConfig,
                                   high_priority=cfg.weight_sync.high_priority_stream)
     # the rollout salts its prefix cache with the weight version: no reset per sync
     handle = VllmReceiverHandle(rollout.llm, reset_prefix_cache=False) if rollout is not None else None
-    sync = SpmdWeightSync(MegatronWeightExport(chunks, groups_cfg), handle, rollout)
+    export = MegatronWeightExport(chunks, groups_cfg, fresh_params=fresh_params)
+    sync = SpmdWeightSync(export, handle, rollout)
     sync.connect()
     return sync
 
@@ -233,7 +235,7 @@ def build_run(cfg: TrainConfig, *, resume: bool = False):
     teacher = build_scoring_teacher(cfg, student_vocab_size(cfg), rollout) if is_rank0() else None
     init_distributed(cfg)
     engine, chunks, shard, tp_group = build_trainer_rank(cfg)
-    syncer = build_weight_sync(chunks, rollout, cfg)
+    syncer = build_weight_sync(chunks, rollout, cfg, fresh_params=engine.fresh_params)
     sampler = PromptSampler(len(train_set), cfg.rollout.prompts_per_step, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle)
     run = DistillationRun(cfg=cfg, engine=engine, chunks=chunks, rollout=rollout, teacher=teacher,

@@ -50,6 +50,7 @@ def train_spmd(cfg, *, resume: bool = False, export_only: bool = False, overwrit
             not ckpt.save_every or run.state.step % ckpt.save_every):
         save_checkpoint(out, run.engine, run.state, config_yaml, ckpt.keep_last)
     if ckpt.export_hf_at_end or export_only:
+        run.engine.fresh_params()
         save_hf_checkpoint(run.chunks, os.path.join(out, EXPORT_DIR), src_hf_dir=cfg.model.student)
     log.close()
     close_run(run)

@@ -21,6 +21,7 @@ port by binding and releasing it, which another process could take in between.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -129,10 +130,14 @@ class MegatronWeightExport:
     """The trainer's end of the weight sync, on every trainer rank: exports this rank's part of the
     model (TP / expert-TP gathers, or the peer export) and, on a source's sending rank, streams it
     through that source's `BucketSender`. Build once after the model exists; `bind()` and
-    `connect()` once, then `sync(version)` after every optimizer step."""
+    `connect()` once, then `sync(version)` after every optimizer step. `fresh_params` (the trainer
+    engine's `MegatronEngine.fresh_params`, collective over DP) runs first in every sync: a step whose
+    param all-gather is overlapped with the next forward leaves the chunks stale until it runs."""
 
-    def __init__(self, model_chunks, cfg: SyncGroupsConfig):
+    def __init__(self, model_chunks, cfg: SyncGroupsConfig, *,
+                 fresh_params: Callable[[], None] | None = None):
         self.model_chunks, self.cfg = model_chunks, cfg
+        self.fresh_params = fresh_params
         stage, num_stages, *_ = _ranks()
         self.ep = _expert_ranks()[1]
         _check_single_sender_of_shared(self.ep)
@@ -179,6 +184,8 @@ class MegatronWeightExport:
     def sync(self, version: int) -> SenderStats | None:
         """Export and send this rank's sources (collective over TP / expert TP); raises on every
         exporting rank on failure."""
+        if self.fresh_params is not None:
+            self.fresh_params()
         stage = _ranks()[0]
         if self._peer_export() is not None:
             return self._sync_peer(version)
