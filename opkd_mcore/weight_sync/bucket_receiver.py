@@ -108,9 +108,10 @@ class BucketReceiver:
         `replay`: replays each bucket's first load as plain copies where that load was one; or a
         function making it, called once the first bucket's receive is posted, so that its host work
         (a vLLM worker checks that the engine's tensors have not moved) overlaps that transfer.
-        `loads_in_place`: `load_fn` copies every tensor it gets before returning (vLLM's direct
-        load), so a bucket that splits a tensor group is handed out as views, not copies (which
-        a replay could not stand in for: a copy from a temporary)."""
+        `loads_in_place`: `load_fn` keeps no view it gets past its return (it copies every tensor,
+        as vLLM's direct load does, or copies what it holds on to, as the layerwise load does), so
+        a bucket that splits a tensor group is handed out as views, not copies (which a replay
+        could not stand in for: a copy from a temporary)."""
         if not self.transports:
             raise RuntimeError("receiver: call join() before receive()")
         start = time.perf_counter()

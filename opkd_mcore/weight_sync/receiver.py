@@ -211,7 +211,10 @@ class VllmWeightReceiver:
 
         with _cpu_moe_prepack_on_update(model):
             try:
-                version = receiver.receive(load)
+                # views even of a bucket that splits a layer: what the reload keeps of them past
+                # `load` is copied there (a copy of every such bucket's tensors would add one of
+                # whole layers' experts where the plan's buckets are smaller than an MoE layer)
+                version = receiver.receive(load, loads_in_place=True)
                 ok = True
             finally:
                 # restores kernel tensors of layers that got nothing, so the engine stays usable
