@@ -54,6 +54,8 @@
 #                                         # teacher in the step; tokens/s per GPU, MFU, utilization, memory
 #   bash tools/gpu/lane.sh e2e_moe        # expert weight sync of a Qwen3-30B-A3B-shaped student (8 layers)
 #                                         # into vLLM vs raw, EP=1 then EP=2 (2 GPUs; MOE_LAYERS, MOE_LAYOUTS)
+#   bash tools/gpu/lane.sh e2e_moe_sync   # e2e_moe's ep2-coloc alone, then the most layers vLLM held at
+#                                         # once and the slowest bucket loads (wait vs load, per source)
 #   bash tools/gpu/lane.sh train_moe      # opkd train, the same MoE student at EP=2 (2 GPUs; 8 layers on
 #                                         # H200s, 4 on H100s unless MOE_LAYERS), rollout + teacher on GPU 0
 set -uo pipefail
@@ -385,5 +387,11 @@ case "${1:-}" in
     cp /tmp/runs/tmoe$t/metrics.jsonl "$OUT/train_moe${t}_metrics.jsonl" && \
         python3 tools/gpu/step_table.py "$OUT/train_moe${t}_metrics.jsonl" || tail -30 "$OUT/train_moe$t.log"
     grep "peak GPU memory" "$OUT/train_moe$t.log" ;;
+  e2e_moe_sync)  # the EP=2 expert sync alone (e2e_moe's ep2-coloc, 2 GPUs, MOE_LAYERS), then from its log
+                 # the phases (layers_in_flight_max, held_copy_s, load_s, recv_wait_s) and the buckets
+                 # that took longest to load (source, bucket, wait s, load s): the per-expert loaders' cost
+    MOE_LAYOUTS=ep2-coloc bash "$0" e2e_moe "${@:2}"
+    grep -hE "^host seconds by phase|^slowest bucket loads" \
+        "$OUT/e2e_moe${MOE_LAYERS:-8}l_ep2-coloc${TAG:-}.log" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
