@@ -13,13 +13,13 @@ gathered over expert TP, and sent by its expert-TP rank 0. In Megatron's rank or
 of a stage is both TP rank 0 of replica 0 and expert-TP rank 0 of EP rank 0, so source (s, 0) has
 one sender (checked). A rank walks its sources in order.
 
-Receive order: where every rank takes part in the export of one source at most (TP = CP = 1, or
-expert TP equal to TP, ...), each sender waits for nothing but the receivers, so the receivers take
-the buckets of all sources merged layer by layer (`BucketPlan.receive_sequence`): an MoE layer is
-complete once each EP rank's part of it has arrived, and vLLM holds about one layer at a time. A
-rank that takes part in two sources (a TP peer of the shared tensors that also sends its EP rank's
-experts) walks the first one to its end before it sends the second, so there the receivers drain
-the sources one after another ("source" order), which that walk cannot block.
+Receive order: where every rank takes part in the export of one source at most (as with TP = 1),
+each sender waits for nothing but the receivers, so the receivers take the buckets of all sources
+merged layer by layer (`BucketPlan.receive_sequence`): an MoE layer is complete once each EP rank's
+part of it has arrived, and vLLM holds about one layer at a time. A rank that takes part in two
+sources (e.g. a TP peer of the shared tensors that sends its EP rank's experts: TP > 1 with expert
+TP 1) walks the first one to its end before it sends the second, so there the receivers drain the
+sources one after another ("source" order), which that walk cannot block (`receive_order`).
 
 Ports: `bind()` (every trainer rank) lets each stage owner take its group's port — the configured one,
 or a free one when that is taken or the base port is 0 — and agrees the ports over the trainer's
