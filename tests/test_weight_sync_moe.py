@@ -39,8 +39,41 @@ class MoeProbeForTest:
                 for n, p in self.model_runner.model.named_parameters() if p.numel() > 0}
 
 
-class MoeReceiverForTest(VllmWeightReceiver, MoeProbeForTest):
+class LoadOrderForTest:
+    """Worker extension mixin: the names of every `load_weights` call of the engine's model."""
+
+    def record_loads(self) -> None:
+        model, self._loads = self.model_runner.model, []
+        load = model.load_weights
+
+        def recording(weights):
+            weights = list(weights)
+            self._loads.append([n for n, _ in weights])
+            return load(weights=weights)
+
+        model.load_weights = recording
+
+    def recorded_loads(self) -> list[list[str]]:
+        return self._loads
+
+
+class MoeReceiverForTest(VllmWeightReceiver, MoeProbeForTest, LoadOrderForTest):
     pass
+
+
+def _position(name: str, layers: int) -> int:
+    """Where a tensor's group comes in the HF order: the embedding -1, layer L at L, the rest last."""
+    if ".layers." in name:
+        return int(name.split(".")[2])
+    return -1 if "embed_tokens" in name else layers
+
+
+def _check_layer_by_layer(loads: list[list[str]], layers: int) -> None:
+    """Within the bucket granularity, the engine gets the layers in order: every load starts at the
+    earliest layer still outstanding (so layer L of both sources is in before a load starts at L+1)."""
+    for k, names in enumerate(loads):
+        outstanding = min(_position(n, layers) for load in loads[k:] for n in load)
+        assert _position(names[0], layers) == outstanding, (k, [load[0] for load in loads])
 
 
 def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
@@ -67,7 +100,8 @@ def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
         sent = [] if sync.sender is None else \
             [s.name for s in sync.plan.slots if s.pp_stage == sync.sender.stage]
         sync.close()
-        return {"source": sync.source, "sent": sent, "metrics": metrics, "num_groups": len(sync.groups),
+        return {"source": sync.source, "sent": sent, "order": sync.plan.order, "metrics": metrics,
+                "num_groups": len(sync.groups),
                 "stats": None if stats is None else (stats.syncs, stats.handshakes, stats.bytes_sent)}
     finally:
         destroy_parallel()
@@ -123,6 +157,7 @@ def test_ep2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
     try:
         before = greedy(llm)
         cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=300, bucket_bytes=1 << 18)
+        llm.collective_rpc("record_loads")
         handle = VllmReceiverHandle(llm)
         # one group per source (stage 0, EP rank 0 / 1); on GPUs the transport the trainer picks for an
         # engine on rank 0's device, device IPC (rank 1's buffers are mapped from the other GPU)
@@ -136,6 +171,11 @@ def test_ep2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
 
         assert [r["source"] for r in per_rank] == [0, 1] and per_rank[0]["num_groups"] == 2
         assert all(r["stats"][:2] == (1, 1) for r in per_rank)
+        assert [r["order"] for r in per_rank] == ["layer", "layer"]  # each rank sends one source
+        loads = llm.collective_rpc("recorded_loads")[0]
+        assert {n for names in loads for n in names} == set(hf_state(checkpoint))  # each tensor once
+        assert sum(len(names) for names in loads) == len(hf_state(checkpoint))
+        _check_layer_by_layer(loads, layers=2)
         experts_of = {r["source"]: {int(n.split(".")[5]) for n in r["sent"] if ".experts." in n} for r in per_rank}
         assert experts_of == {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}}
         assert all(".experts." in n for n in per_rank[1]["sent"])  # rank 1 sends only its experts

@@ -120,3 +120,69 @@ def test_accepts_models_weight_meta():
 
     plan = BucketPlan.from_metadata([WeightMeta("model.norm.weight", (8,), torch.float32, 0)], 4096)
     assert plan.slot("model.norm.weight").nbytes == 32
+
+
+def _moe_model(num_layers=3, experts=4, hidden=32):
+    """An MoE model's export split into two sources (EP=2): source 0 has the shared tensors and
+    experts [0, experts/2), source 1 the other experts, listed in HF order as the export does."""
+    meta = [MetaForPlanTest("model.embed_tokens.weight", (100, hidden), torch.float32, 0)]
+    for i in range(num_layers):
+        meta += _layer(i, 0, hidden)
+        for e in range(experts):
+            for w in ("gate_proj", "up_proj", "down_proj"):
+                meta.append(MetaForPlanTest(f"model.layers.{i}.mlp.experts.{e}.{w}.weight", (hidden, hidden),
+                                            torch.float32, int(e >= experts // 2)))
+    meta += [MetaForPlanTest("model.norm.weight", (hidden,), torch.float32, 0),
+             MetaForPlanTest("lm_head.weight", (100, hidden), torch.float32, 0)]
+    return meta
+
+
+def _groups_of(plan, bucket):
+    return [tensor_group(plan.slots[i].name) for i in bucket.slots]
+
+
+def test_layer_order_merges_sources_so_each_layer_completes_before_the_next():
+    # one layer's share per bucket and source (source 0's is 41,216 bytes, source 1's 24,576)
+    plan = BucketPlan.from_metadata(_moe_model(), bucket_bytes=44 * 1024)
+    assert plan.order == "layer" and plan.stages == (0, 1)
+    sequence = plan.receive_sequence()
+    assert sorted(b.index for b in sequence) == list(range(len(plan.buckets)))
+    for stage in plan.stages:  # each source's buckets keep their own order
+        assert [b for b in sequence if b.pp_stage == stage] == plan.stage_buckets(stage)
+    # the independent reference: every layer's tensors (both sources) arrive before any of the next
+    # layer's; the embedding first, the final norm and LM head last
+    seen = [g for b in sequence for g in _groups_of(plan, b)]
+    layers = [int(g.split(".")[2]) for g in seen if ".layers." in g]
+    assert layers == sorted(layers) and seen[0] == "model.embed_tokens" and seen[-1] == "lm_head"
+    # the embedding, then one bucket per layer and source, then the final norm and LM head
+    assert [b.pp_stage for b in sequence] == [0, 0, 1, 0, 1, 0, 1, 0]
+    assert not any(b.splits_group for b in plan.buckets)
+    # drained source after source, layer 0's experts of source 1 come after every layer of source 0
+    by_source = BucketPlan.from_metadata(_moe_model(), bucket_bytes=44 * 1024, order="source")
+    assert [b.pp_stage for b in by_source.receive_sequence()] == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert by_source.digest() != plan.digest()  # both ends agree on the order through the digest
+    assert BucketPlan.from_json(by_source.to_json()).order == "source"
+
+
+def test_layer_order_keeps_pipeline_stages_in_stage_order():
+    plan = BucketPlan.from_metadata(_model(num_layers=4, stages=2), bucket_bytes=2 * _layer_bytes())
+    sequence = plan.receive_sequence()
+    assert [b.index for b in sequence] == list(range(len(plan.buckets)))
+    assert [b.pp_stage for b in sequence] == sorted(b.pp_stage for b in sequence)
+
+
+def test_layer_order_takes_a_split_group_before_the_other_source():
+    # source 0's layer groups are larger than a bucket: both pieces of layer i come before source 1's
+    # layer i + 1, and the ties go to the lower source
+    plan = BucketPlan.from_metadata(_moe_model(num_layers=2, experts=8), bucket_bytes=16 * 1024)
+    sequence = plan.receive_sequence()
+    firsts = [(int(_groups_of(plan, b)[0].split(".")[2]) if ".layers." in _groups_of(plan, b)[0] else None,
+               b.pp_stage) for b in sequence]
+    layer_items = [f for f in firsts if f[0] is not None]
+    assert layer_items == sorted(layer_items)
+    assert any(b.splits_group for b in plan.buckets)
+
+
+def test_unknown_receive_order_is_refused():
+    with pytest.raises(ValueError, match="order: expected one of"):
+        BucketPlan.from_metadata(_model(), order="random")

@@ -132,6 +132,8 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
     phases = phases[args.warmup:]
     if args.profile:
         _profiled_sync(syncer, args.warmup + args.iters + 1, f"{args.profile}_rank{rank}.txt")
+    # per bucket of the last timed sync, in the order received: (source, bucket, wait s, load s)
+    per_bucket = syncer.handle.stats()[0]["last_buckets"] if syncer.handle is not None else []
     rpc = _idle_rpc(syncer.handle) if syncer.handle is not None else None
     stats = syncer.export.sender.stats if syncer.export.sender is not None else None
     plan = syncer.export.plan
@@ -141,6 +143,7 @@ def _trainer(rank: int, args, model_dir: str, port: int, queue) -> None:
                    "buckets": len(plan.buckets), "max_bucket": plan.max_bucket_nbytes(),
                    "handshakes": None if stats is None else stats.handshakes, "phases": phases,
                    "device": "cpu" if cpu else torch.cuda.get_device_name(0), "idle_rpc": rpc,
+                   "per_bucket": [[int(a), int(b), round(w, 5), round(ld, 5)] for a, b, w, ld in per_bucket],
                    "cpus": _cpu_sets()})
     syncer.close()
     if rollout is not None:
@@ -173,6 +176,11 @@ def _phases(syncer) -> dict:
         worker, t = syncer.handle.stats()[0], syncer.handle.last_receive_t
         out.update(load_s=worker["last_load_s"], recv_wait_s=worker["last_wait_s"],
                    reload_s=worker["last_reload_s"],
+                   # layerwise reload: the most layers vLLM held incomplete at once (buffering their
+                   # loaded tensors), and the copies of those out of the receive buffers
+                   layers_in_flight_max=worker["last_layers_in_flight_max"],
+                   held_copy_mb=worker["last_deferred_copy_bytes"] / 1e6,
+                   held_copy_s=worker["last_deferred_copy_s"],
                    loaded_replayed=worker["last_replayed"],
                    # the engine calls around the receive, posted together (receive, version stamp;
                    # the rollout salts its prefix cache, so no reset): posting, reaching the
@@ -288,7 +296,8 @@ def run_e2e(args) -> dict:
                 raw_s=round(raw_s, 4), raw_gbps=round(gb / raw_s, 1), ratio=round(raw_s / sync_s, 3),
                 raw_nccl_s=round(nccl_s, 4), ratio_nccl=round(nccl_s / sync_s, 3),
                 engine_version=e2e["version"], device=e2e["device"], sync_all_s=e2e["sync_s"],
-                raw_all_s=raw[1], phases=phases, idle_rpc=e2e["idle_rpc"], cpus=e2e["cpus"],
+                raw_all_s=raw[1], phases=phases, per_bucket=e2e["per_bucket"], idle_rpc=e2e["idle_rpc"],
+                cpus=e2e["cpus"],
                 trainer_cpus=args.trainer_cpus, tp_export=args.tp_export,
                 stream_priority=args.stream_priority, model_dir=model_dir, **_model_info(model_dir),
                 meta=run_metadata(device=e2e["device"]))
@@ -303,6 +312,8 @@ def print_row(row: dict) -> None:
           f"{row['sync_gbps']} | {row['raw_s']} | {row['raw_gbps']} | {row['ratio']:.0%} | "
           f"{row['raw_nccl_s']} | {row['ratio_nccl']:.0%} |")
     print("host seconds by phase (medians):", ", ".join(f"{k} {v}" for k, v in row["phases"].items()))
+    slowest = sorted(row.get("per_bucket", []), key=lambda b: -b[3])[:5]
+    print("slowest bucket loads of the last sync (source, bucket, wait s, load s):", slowest)
     if row.get("idle_rpc"):
         print("an engine call alone:", ", ".join(f"{k} {v}" for k, v in row["idle_rpc"].items()))
     print("CPUs each process may use:", row.get("cpus"), "trainer pinned to", row.get("trainer_cpus"))

@@ -3,8 +3,9 @@
 `BucketReceiver` is what the vLLM worker extension (`receiver.py`) and the benchmark's stand-in
 receiver both use. It keeps one transport per PP stage group, the accepted plan, and two receive
 buffers reused across syncs (none where the transport lends the sender's buffers: colocated).
-Stage groups are drained one after another (stage 0 first); within a stage, receiving bucket i+1
-overlaps loading bucket i.
+Every stage group's header comes first; then the buckets of all stages in the plan's receive order
+(`BucketPlan.receive_sequence`: merged so that a layer sent by several sources completes early),
+each on its own stage's transport, receiving item i+1 overlapping the load of item i.
 """
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ class ReceiverStats:
     # host, the header decoded, bucket 0's receive posted, the last bucket's bytes seen by the host
     # (stage 0 / the last stage): a timeline against the sender's
     last_marks: dict[str, float] = field(default_factory=dict)
+    # per bucket of the last sync, in the order received: (stage, bucket index, seconds waiting for
+    # its bytes, seconds in `load_fn`)
+    last_buckets: list[tuple[int, int, float, float]] = field(default_factory=list)
     buffer_ptrs: list[int] = field(default_factory=list)
 
 
@@ -104,78 +108,94 @@ class BucketReceiver:
         `replay`: replays each bucket's first load as plain copies where that load was one; or a
         function making it, called once the first bucket's receive is posted, so that its host work
         (a vLLM worker checks that the engine's tensors have not moved) overlaps that transfer.
-        `loads_in_place`: `load_fn` copies every tensor it gets before returning (vLLM's direct
-        load), so a bucket that splits a tensor group is handed out as views, not copies (which
-        a replay could not stand in for: a copy from a temporary)."""
+        `loads_in_place`: `load_fn` keeps no view it gets past its return (it copies every tensor,
+        as vLLM's direct load does, or copies what it holds on to, as the layerwise load does), so
+        a bucket that splits a tensor group is handed out as views, not copies (which a replay
+        could not stand in for: a copy from a temporary)."""
         if not self.transports:
             raise RuntimeError("receiver: call join() before receive()")
         start = time.perf_counter()
         self.stats.last_start_t = time.monotonic()
         self.stats.last_load_s = self.stats.last_wait_s = 0.0
         self.stats.last_replayed = 0
-        versions = set()
-        self.stats.last_marks = {}
+        self.stats.last_marks, self.stats.last_buckets = {}, []
         replay_now = functools.cache(replay) if callable(replay) else lambda: replay  # made once
-
-        def load_bucket(plan: BucketPlan, bucket: Bucket, buf: torch.Tensor) -> None:
-            load_fn(self.views(plan, bucket, buf, copy_split=not loads_in_place))
-
-        for transport, control in zip(self.transports, self.controls):
-            versions.add(self._receive_stage(transport, control, load_bucket, replay_now))
+        plan, stages = self._receive_headers()
+        versions = {h.version for _, h in stages.values()}
         if len(versions) != 1:
             raise RuntimeError(f"weight sync: stage groups sent different versions {sorted(versions)}")
+        self._receive_buckets(plan, stages, replay_now,
+                              lambda bucket, buf: load_fn(self.views(plan, bucket, buf, not loads_in_place)))
         self.stats.syncs += 1
         self.stats.last_version = versions.pop()
         self.stats.last_sync_s = time.perf_counter() - start
         self.stats.last_end_t = time.monotonic()
         return self.stats.last_version
 
-    def _receive_stage(self, transport: WeightTransport, control: ControlChannel,
-                       load_bucket: Callable[[BucketPlan, Bucket, torch.Tensor], None],
-                       replay_now: Callable[[], BucketReplay | None]) -> int:
+    def _receive_headers(self) -> tuple[BucketPlan, dict[int, tuple[WeightTransport, SyncHeader]]]:
+        """Every joined stage group's header (and plan handshake), in the order joined: stage ->
+        (its transport, its header)."""
+        marks, stages = self.stats.last_marks, {}
+        for transport, control in zip(self.transports, self.controls):
+            header = control.recv_header(marks)
+            marks.setdefault("header", time.monotonic())
+            plan = self._accept_plan(control, header)
+            where = f"stage group {transport.cfg.host}:{transport.cfg.port}"
+            if header.stage in stages or header.stage not in plan.stages:
+                raise PlanMismatchError(f"{where}: header of stage {header.stage}, expected one of the "
+                                        f"plan's stages {plan.stages} not yet received")
+            if len(plan.stage_buckets(header.stage)) != header.num_buckets:
+                raise PlanMismatchError(f"stage {header.stage}: header announces {header.num_buckets} "
+                                        f"buckets, plan has {len(plan.stage_buckets(header.stage))}")
+            stages[header.stage] = (transport, header)
+        return plan, stages
+
+    def _receive_buckets(self, plan: BucketPlan, stages: dict[int, tuple[WeightTransport, SyncHeader]],
+                         replay_now: Callable[[], BucketReplay | None],
+                         load_bucket: Callable[[Bucket, torch.Tensor], None]) -> None:
+        """The joined stages' buckets in the plan's receive order (`BucketPlan.receive_sequence`),
+        each on its stage's transport (whose transfers stay in order): receiving item i+1, into the
+        buffer item i-1 used, overlaps loading item i."""
         marks = self.stats.last_marks
-        header = control.recv_header(marks)
-        marks.setdefault("header", time.monotonic())
-        plan = self._accept_plan(control, header)
-        buckets = plan.stage_buckets(header.stage)
-        if len(buckets) != header.num_buckets:
-            raise PlanMismatchError(f"stage {header.stage}: header announces {header.num_buckets} buckets, "
-                                    f"plan has {len(buckets)}")
-        if not transport.lends_buffers:
-            self._ensure_buffers(plan, transport)
-        timeout = transport.cfg.timeout_s
-        pending = self._post(transport, buckets, 0) if buckets else None
+        sequence = [b for b in plan.receive_sequence() if b.pp_stage in stages]
+        transports = [stages[b.pp_stage][0] for b in sequence]
+        if not all(t.lends_buffers for t in self.transports):
+            self._ensure_buffers(plan, self.transports[0])
+        pending = self._post(transports[0], sequence[0], 0)
         marks.setdefault("posted", time.monotonic())
         replay = replay_now()
-        for i, bucket in enumerate(buckets):
+        for i, bucket in enumerate(sequence):
             t0 = time.perf_counter()
+            timeout = transports[i].cfg.timeout_s
             pending.wait(timeout)
             current = pending
             buf = current.landed if current.landed is not None else self._buffers[i % 2]
-            if i + 1 < len(buckets):  # the other buffer's bucket is fully loaded by now
-                pending = self._post(transport, buckets, i + 1)
+            if i + 1 < len(sequence):  # the other buffer's bucket is fully loaded by now
+                pending = self._post(transports[i + 1], sequence[i + 1], i + 1)
             # checked after posting the next receive: the check waits for the bytes on the host
             # (polling, where the transfer itself does not block it: see `wait_host`)
             current.wait_host(timeout)
-            check_trailer(buf, bucket.nbytes, header.version, bucket.index, plan.digest())
+            version = stages[bucket.pp_stage][1].version
+            check_trailer(buf, bucket.nbytes, version, bucket.index, plan.digest())
             marks["bytes_in"] = time.monotonic()
             t1 = time.perf_counter()
-            load = lambda: load_bucket(plan, bucket, buf)  # noqa: E731  (called at once)
             if replay is None:
-                load()
+                load_bucket(bucket, buf)
             else:
                 key = replay_key(plan.digest(), bucket.index, buf)
-                self.stats.last_replayed += replay.run(key, buf, load)
+                self.stats.last_replayed += replay.run(key, buf, lambda: load_bucket(bucket, buf))
             current.release()  # a lent buffer goes back to the sender once the load has read it
+            t2 = time.perf_counter()
             self.stats.last_wait_s += t1 - t0
-            self.stats.last_load_s += time.perf_counter() - t1
+            self.stats.last_load_s += t2 - t1
+            self.stats.last_buckets.append((bucket.pp_stage, bucket.index, t1 - t0, t2 - t1))
             self.stats.bytes_received += bucket.nbytes
-        return header.version
 
-    def _post(self, transport: WeightTransport, buckets: list[Bucket], i: int) -> PendingTransfer:
-        """Bucket i's transfer: read in place where the transport lends the sender's buffers (one
-        copy fewer), else into receive buffer i % 2."""
-        nbytes = buckets[i].nbytes + TRAILER_BYTES
+    def _post(self, transport: WeightTransport, bucket: Bucket, i: int) -> PendingTransfer:
+        """The transfer of `bucket`, item i of the sequence, on its stage's transport: read in place
+        where the transport lends the sender's buffers (one copy fewer), else into receive buffer
+        i % 2."""
+        nbytes = bucket.nbytes + TRAILER_BYTES
         if transport.lends_buffers:
             return transport.receive_lent(nbytes)
         return transport.broadcast(self._buffers[i % 2], nbytes)

@@ -11,7 +11,15 @@ Who takes part: the shared tensors are exported by data-parallel replica 0 (CP r
 and sent by its TP rank 0; EP rank e's experts by expert-data-parallel replica 0 of that EP rank,
 gathered over expert TP, and sent by its expert-TP rank 0. In Megatron's rank order the first rank
 of a stage is both TP rank 0 of replica 0 and expert-TP rank 0 of EP rank 0, so source (s, 0) has
-one sender (checked). A rank walks its sources in order, as the receivers drain them.
+one sender (checked). A rank walks its sources in order.
+
+Receive order: where every rank takes part in the export of one source at most (as with TP = 1),
+each sender waits for nothing but the receivers, so the receivers take the buckets of all sources
+merged layer by layer (`BucketPlan.receive_sequence`): an MoE layer is complete once each EP rank's
+part of it has arrived, and vLLM holds about one layer at a time. A rank that takes part in two
+sources (e.g. a TP peer of the shared tensors that sends its EP rank's experts: TP > 1 with expert
+TP 1) walks the first one to its end before it sends the second, so there the receivers drain the
+sources one after another ("source" order), which that walk cannot block (`receive_order`).
 
 Ports: `bind()` (every trainer rank) lets each stage owner take its group's port — the configured one,
 or a free one when that is taken or the base port is 0 — and agrees the ports over the trainer's
@@ -142,14 +150,14 @@ class MegatronWeightExport:
         self.ep = _expert_ranks()[1]
         _check_single_sender_of_shared(self.ep)
         self.metadata = hf_weight_metadata(model_chunks)
+        # sources whose export this rank takes part in, in the order it walks them
+        self.sources = sorted({source_of(m, self.ep) for m in self.metadata if _my_parts(m, stage)})
         # the plan's "stage" of a tensor is its source: one group and one sender per source
         self.plan = BucketPlan.from_metadata([replace(m, pp_stage=source_of(m, self.ep))
                                               for m in self.metadata],
-                                             cfg.bucket_bytes)
+                                             cfg.bucket_bytes, receive_order(len(self.sources)))
         self.groups = cfg.stage_groups(num_stages * self.ep)
         self.source = my_source()
-        # sources whose export this rank takes part in, in the order the receivers drain them
-        self.sources = sorted({source_of(m, self.ep) for m in self.metadata if _my_parts(m, stage)})
         self.sender: BucketSender | None = None
         self._storages = ModelStorages(*model_chunks)  # walks the chunks only when they may have changed
         self._replay: BucketReplay | None = None  # the sender's records of its packs
@@ -266,6 +274,19 @@ class MegatronWeightExport:
         """`abort`: an engine of the group died; leave without waiting for it."""
         if self.sender is not None:
             self.sender.transport.close(abort)
+
+
+def receive_order(my_sources: int, group=None) -> str:
+    """Collective over the trainer's ranks (`group`): "layer" where no rank takes part in the
+    export of more than one source, else "source" (see the module docstring)."""
+    most = torch.tensor([my_sources], dtype=torch.int64, device=current_device())
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    order = "layer" if most.item() <= 1 else "source"
+    if order == "source":
+        logger.info("weight sync: a trainer rank exports %d sources; the receivers take them one after "
+                    "another", most.item())
+    return order
 
 
 def agree_stage_ports(stage: int, port: int, num_stages: int, group=None) -> list[int]:

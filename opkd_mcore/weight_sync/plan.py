@@ -12,10 +12,17 @@ Layout rules:
   receive buffer of an earlier bucket (those buckets are flagged `splits_group`);
 - a tensor larger than a bucket goes alone;
 - offsets are aligned to `ALIGN_BYTES` so that every slot can be viewed as its dtype in place.
+
+Receive order (`receive_sequence`): "layer" takes the stages' (sources') buckets merged by the
+tensor group each bucket starts with, in the export's (HF) order, so that a decoder layer whose
+tensors come from several sources (an MoE layer's experts, one source per EP rank) is complete
+after about one bucket per source; "source" drains the stages one after another. "layer" needs
+every source's sender to depend on nothing but the receivers (see `megatron_source.py`).
 """
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import re
 from dataclasses import dataclass
@@ -25,6 +32,7 @@ import torch
 
 DEFAULT_BUCKET_BYTES = 1 << 30
 ALIGN_BYTES = 256
+RECEIVE_ORDERS = ("layer", "source")
 _LAYER_GROUP = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
@@ -136,17 +144,23 @@ class _BucketBuilder:
 class BucketPlan:
     """Names, shapes, dtypes, byte offsets and bucket boundaries of one model's export."""
 
-    def __init__(self, slots: Sequence[TensorSlot], buckets: Sequence[Bucket], bucket_bytes: int):
+    def __init__(self, slots: Sequence[TensorSlot], buckets: Sequence[Bucket], bucket_bytes: int,
+                 order: str = "layer"):
+        if order not in RECEIVE_ORDERS:
+            raise ValueError(f"order: expected one of {RECEIVE_ORDERS}, got {order!r}")
         self.slots = tuple(slots)
         self.buckets = tuple(buckets)
         self.bucket_bytes = bucket_bytes
+        self.order = order  # the receivers' order of the buckets of all stages (see the module docstring)
         self._index = {s.name: i for i, s in enumerate(self.slots)}
         self._digest: str | None = None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_metadata(cls, metadata: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> "BucketPlan":
-        """Plan from `WeightMeta`-like records (hf_name, shape, dtype, pp_stage), in their order."""
+    def from_metadata(cls, metadata: Iterable, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      order: str = "layer") -> "BucketPlan":
+        """Plan from `WeightMeta`-like records (hf_name, shape, dtype, pp_stage), in their order;
+        `order`: how the receivers take the stages' buckets (`receive_sequence`)."""
         if not isinstance(bucket_bytes, int) or bucket_bytes < ALIGN_BYTES:
             raise ValueError(f"bucket_bytes: expected an int >= {ALIGN_BYTES}, got {bucket_bytes!r}")
         rows = _meta_rows(metadata)
@@ -167,7 +181,7 @@ class BucketPlan:
                                       builder.split_flags[local]))
         slots = [TensorSlot(name, shape, dtype, stage, *placed[i], _nbytes(rows[i]))
                  for i, (name, shape, dtype, stage) in enumerate(rows)]
-        return cls(slots, buckets, bucket_bytes)
+        return cls(slots, buckets, bucket_bytes, order)
 
     @classmethod
     def from_named_tensors(cls, named: Iterable[tuple[str, torch.Tensor]],
@@ -188,6 +202,27 @@ class BucketPlan:
     def stage_buckets(self, stage: int) -> list[Bucket]:
         return [b for b in self.buckets if b.pp_stage == stage]
 
+    def receive_sequence(self) -> list[Bucket]:
+        """Every stage's buckets in the order the receivers take them (each stage's in its own order).
+        "layer": a merge of the stages' lists, each step taking the bucket whose first tensor's group
+        comes first in the export order (ties: the lower stage); "source": stage after stage."""
+        if self.order == "source":
+            return sorted(self.buckets, key=lambda b: (b.pp_stage, b.index))
+        rank: dict[str, int] = {}
+        for s in self.slots:
+            rank.setdefault(tensor_group(s.name), len(rank))
+        queues = {stage: self.stage_buckets(stage) for stage in self.stages}
+        heads = [(rank[tensor_group(self.slots[q[0].slots[0]].name)], stage) for stage, q in queues.items()]
+        heapq.heapify(heads)
+        out = []
+        while heads:
+            _, stage = heapq.heappop(heads)
+            queue = queues[stage]
+            out.append(queue.pop(0))
+            if queue:
+                heapq.heappush(heads, (rank[tensor_group(self.slots[queue[0].slots[0]].name)], stage))
+        return out
+
     def max_bucket_nbytes(self, stage: int | None = None) -> int:
         return max(b.nbytes for b in self.buckets if stage is None or b.pp_stage == stage)
 
@@ -197,7 +232,7 @@ class BucketPlan:
 
     # ---- identity ------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps({"bucket_bytes": self.bucket_bytes, "align": ALIGN_BYTES,
+        return json.dumps({"bucket_bytes": self.bucket_bytes, "align": ALIGN_BYTES, "order": self.order,
                            "slots": [[s.name, list(s.shape), _dtype_name(s.dtype), s.pp_stage, s.bucket,
                                       s.offset, s.nbytes] for s in self.slots],
                            "buckets": [[b.index, b.pp_stage, b.nbytes, list(b.slots), b.splits_group]
@@ -211,7 +246,10 @@ class BucketPlan:
         slots = [TensorSlot(n, tuple(sh), _dtype_from_name(dt), st, b, off, nb)
                  for n, sh, dt, st, b, off, nb in data["slots"]]
         buckets = [Bucket(i, st, nb, tuple(sl), bool(sp)) for i, st, nb, sl, sp in data["buckets"]]
-        return cls(slots, buckets, data["bucket_bytes"])
+        if data.get("order") not in RECEIVE_ORDERS:
+            raise PlanMismatchError(f"plan: receive order {data.get('order')!r}, expected one of "
+                                    f"{RECEIVE_ORDERS} (a sender of another version?)")
+        return cls(slots, buckets, data["bucket_bytes"], data["order"])
 
     def digest(self) -> str:
         """sha256 of the canonical plan (hex), computed once."""
@@ -233,8 +271,8 @@ class BucketPlan:
             extra = longer.slots[min(len(self.slots), len(other.slots))]
             return f"tensor {extra.name!r} exists only {which}"
         if self.digest() != other.digest():
-            return (f"bucket layout differs (bucket_bytes {self.bucket_bytes} here, "
-                    f"{other.bucket_bytes} there)")
+            return (f"bucket layout or receive order differs (bucket_bytes {self.bucket_bytes}, order "
+                    f"{self.order!r} here; {other.bucket_bytes}, {other.order!r} there)")
         return None
 
     def mismatch_against(self, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> str | None:

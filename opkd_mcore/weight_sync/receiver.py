@@ -65,22 +65,28 @@ def _layerwise_reload_api():
     return initialize_layerwise_reload, finalize_layerwise_reload
 
 
-def _own_deferred_tensors(buffers: list[torch.Tensor]) -> None:
-    """Copy what vLLM's layerwise reload keeps of a bucket beyond `load_weights`.
+def _own_deferred_tensors(buffers: list[torch.Tensor]) -> tuple[int, int]:
+    """Copy what vLLM's layerwise reload keeps of a bucket beyond `load_weights`; returns how many
+    layers hold loaded tensors (incomplete: waiting for more) and the bytes copied.
 
-    A layer whose loaded elements do not reach its size (a vocabulary padded past the
-    checkpoint's rows: embedding, LM head) is only processed at `finalize`, and until then the
-    reload machinery holds the very tensors it was given. Those are views into a receive buffer
-    that the next bucket (or the next PP stage's first bucket) overwrites, so they are copied here.
+    The reload buffers the arguments of a layer's weight loaders until the layer is complete (an
+    MoE layer's experts come from every EP rank's source; a layer whose loaded elements do not
+    reach its size, a vocabulary padded past the checkpoint's rows, waits for `finalize`), and
+    until then it holds the very tensors it was given. Those are views into a receive buffer that
+    the next bucket overwrites, so they are copied here.
     """
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     storages = {b.untyped_storage().data_ptr() for b in buffers}
+    holding = copied = 0
     for info in list(LAYERWISE_INFO.values()):
+        holding += bool(info.loaded_weights)
         for _, bound in info.loaded_weights:
             for key, value in bound.arguments.items():
                 if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
                     bound.arguments[key] = value.clone()
+                    copied += value.numel() * value.element_size()
+    return holding, copied
 
 
 @contextlib.contextmanager
@@ -181,7 +187,7 @@ class VllmWeightReceiver:
         receiver = self._opkd_receiver_or_raise()
         model = self.model_runner.model
         if self._opkd_load_mode() == "direct":
-            self._opkd_reload_s = 0.0
+            self._opkd_reload_s, self._opkd_held = 0.0, {}
             self._opkd_weights_consistent = False   # until every bucket is in: a failure leaves a mix
             version = receiver.receive(lambda named: model.load_weights(weights=named),
                                        lambda: self._opkd_replay_for(model), loads_in_place=True)
@@ -193,14 +199,22 @@ class VllmWeightReceiver:
         initialize(model)
         self._opkd_reload_s = time.perf_counter() - start
         ok = False
+        held = self._opkd_held = {"layers_max": 0, "copied_bytes": 0, "copy_s": 0.0}
 
         def load(named):
             model.load_weights(weights=named)
-            _own_deferred_tensors(receiver.buffers())
+            start = time.perf_counter()
+            layers, copied = _own_deferred_tensors(receiver.buffers())
+            held["copy_s"] += time.perf_counter() - start
+            held["layers_max"] = max(held["layers_max"], layers)
+            held["copied_bytes"] += copied
 
         with _cpu_moe_prepack_on_update(model):
             try:
-                version = receiver.receive(load)
+                # views even of a bucket that splits a layer: what the reload keeps of them past
+                # `load` is copied there (a copy of every such bucket's tensors would add one of
+                # whole layers' experts where the plan's buckets are smaller than an MoE layer)
+                version = receiver.receive(load, loads_in_place=True)
                 ok = True
             finally:
                 # restores kernel tensors of layers that got nothing, so the engine stays usable
@@ -232,6 +246,13 @@ class VllmWeightReceiver:
         # `time.monotonic()` on entering the last receive (the receiver's start is `last_start_t`)
         stats["last_enter_t"] = getattr(self, "_opkd_enter_t", 0.0)
         stats["load_mode"] = self._opkd_load_mode()
+        # layerwise loads of the last sync: the most layers vLLM held incomplete after a bucket (their
+        # loaded tensors buffered), the bytes of those copied out of the receive buffers, and the
+        # host seconds of that check and copy (part of `last_load_s`)
+        held = getattr(self, "_opkd_held", {})
+        stats["last_layers_in_flight_max"] = held.get("layers_max", 0)
+        stats["last_deferred_copy_bytes"] = held.get("copied_bytes", 0)
+        stats["last_deferred_copy_s"] = held.get("copy_s", 0.0)
         return stats
 
     def _opkd_load_mode(self) -> str:

@@ -57,6 +57,8 @@
 #                                         # teacher in the step; tokens/s per GPU, MFU, utilization, memory
 #   bash tools/gpu/lane.sh e2e_moe        # expert weight sync of a Qwen3-30B-A3B-shaped student (8 layers)
 #                                         # into vLLM vs raw, EP=1 then EP=2 (2 GPUs; MOE_LAYERS, MOE_LAYOUTS)
+#   bash tools/gpu/lane.sh e2e_moe_sync   # e2e_moe's ep2-coloc alone, then the most layers vLLM held at
+#                                         # once and the slowest bucket loads (wait vs load, per source)
 #   bash tools/gpu/lane.sh train_moe      # opkd train, the same MoE student at EP=2 (2 GPUs; 8 layers on
 #                                         # H200s, 4 on H100s unless MOE_LAYERS), rollout + teacher on GPU 0
 #   bash tools/gpu/lane.sh peers_trl      # TRL's row beside opkd train's (0.6B <- 1.7B, top-64, 1 GPU, ~6 min;
@@ -410,5 +412,11 @@ case "${1:-}" in
         > "$OUT/bench_peers_trl.log" 2>&1
     cp /tmp/peers_trl/0.6b_from_1.7b_top-64_1gpu/trl/steps.jsonl "$OUT/peers_trl_steps.jsonl" 2>/dev/null
     grep -E "^\|" "$OUT/bench_peers_trl.log" || tail -30 "$OUT/bench_peers_trl.log" ;;
+  e2e_moe_sync)  # the EP=2 expert sync alone (e2e_moe's ep2-coloc, 2 GPUs, MOE_LAYERS), then from its log
+                 # the phases (layers_in_flight_max, held_copy_s, load_s, recv_wait_s) and the buckets
+                 # that took longest to load (source, bucket, wait s, load s): the per-expert loaders' cost
+    MOE_LAYOUTS=ep2-coloc bash "$0" e2e_moe "${@:2}"
+    grep -hE "^host seconds by phase|^slowest bucket loads" \
+        "$OUT/e2e_moe${MOE_LAYERS:-8}l_ep2-coloc${TAG:-}.log" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
