@@ -83,3 +83,21 @@ def test_loads_sharded_hf_checkpoint(qwen3_dir, one_rank, tmp_path):
         assert exported.keys() == set(f.keys())
         for name, tensor in exported.items():
             assert torch.equal(tensor, f.get_tensor(name)), name
+
+
+def test_kernel_fusions_follow_the_layer_spec(qwen3_dir, one_rank):
+    """Megatron's fused SwiGLU and RoPE are on exactly where the TE spec builds the model (its RoPE
+    kernel is TE's, so a CPU config cannot even hold it); the local spec keeps the unfused paths."""
+    from opkd_mcore.models import build_model, load_hf_config
+    from opkd_mcore.models.bridge import get_bridge
+    from opkd_mcore.models.builder import kernel_fusions, transformer_config
+
+    assert kernel_fusions(True) == dict(bias_activation_fusion=True, apply_rope_fusion=True)
+    assert kernel_fusions(False) == dict(bias_activation_fusion=False, apply_rope_fusion=False)
+    config = build_model(load_hf_config(qwen3_dir))[0].config  # CPU: the local spec
+    assert (config.bias_activation_fusion, config.apply_rope_fusion) == (False, False)
+    # the TE build's config takes them; an explicit override still wins (the benchmark's A/B, and
+    # Megatron refuses the fused RoPE where TE is not installed)
+    te = transformer_config(get_bridge(load_hf_config(qwen3_dir)), torch.float32, use_te=True,
+                            apply_rope_fusion=False)
+    assert (te.bias_activation_fusion, te.apply_rope_fusion) == (True, False)

@@ -1,4 +1,4 @@
-"""GPU lane: Megatron Qwen3 at TP=2 over NCCL in bf16 vs the HF model (needs 2 CUDA devices).
+"""GPU lane: Megatron Qwen3 in bf16 vs the HF model: TP=2 over NCCL (2 CUDA devices), and packed sequences on one.
 
 bf16 cannot equal fp32, so the check is relative to HF's own bf16 forward: the Megatron logits must
 be about as close to the fp32 HF logits (the reference) as HF-in-bf16 is.
@@ -78,3 +78,67 @@ def test_tp2_nccl_bf16_logits_match_hf(tmp_path, record_property):
     # a layout bug gives errors of the order of `scale` or more
     assert err_megatron <= 3.0 * err_hf_bf16 + 1e-3, (err_megatron, err_hf_bf16)
     assert err_megatron < 0.25 * scale, (err_megatron, scale)
+
+
+PACKED_LENGTHS = (37, 64, 21)  # sequences packed back to back (THD), as the trainer's micro-batches
+
+
+def _packed_worker(rank, world_size, hf_dir):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
+    from opkd_mcore.models.builder import transformer_engine_usable
+    from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
+
+    init_parallel(ParallelConfig())
+    try:
+        cfg = load_hf_config(hf_dir)
+        chunks = build_model(cfg)  # bf16; the TE spec with its fused RoPE and SwiGLU where TE is installed
+        fused = chunks[0].config.apply_rope_fusion, chunks[0].config.bias_activation_fusion
+        load_hf_weights(chunks, hf_dir)
+        bounds = torch.tensor([0, *torch.cumsum(torch.tensor(PACKED_LENGTHS), 0).tolist()],
+                              dtype=torch.int32, device="cuda")
+        tokens = torch.randint(0, cfg.vocab_size, (1, int(bounds[-1])),
+                               generator=torch.Generator().manual_seed(7)).cuda()
+        pos = torch.cat([torch.arange(n) for n in PACKED_LENGTHS]).unsqueeze(0).cuda()
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                                 max_seqlen_q=max(PACKED_LENGTHS), max_seqlen_kv=max(PACKED_LENGTHS))
+        with torch.no_grad():
+            logits = chunks[0](input_ids=tokens, position_ids=pos, attention_mask=None,
+                               packed_seq_params=params)
+        return (tokens.cpu().numpy(), logits[..., :cfg.vocab_size].float().cpu().numpy(), fused,
+                transformer_engine_usable())
+    finally:
+        destroy_parallel()
+
+
+def test_packed_bf16_logits_match_separate_hf_forwards(tmp_path):
+    """One GPU, the model as `opkd train` builds it (with TE: its spec, fused RoPE over the packed
+    sequences' cu_seqlens and fused SwiGLU): each packed sequence's logits against HF's forward of that
+    sequence alone, with the bf16 criterion of the TP=2 test above."""
+    from transformers import AutoModelForCausalLM
+
+    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+
+    shape = TinyModelShape(hidden_size=256, num_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=64, intermediate_size=512, vocab_size=512)
+    hf_dir = save_tiny_hf_model(str(tmp_path / "qwen3"), "qwen3", shape, seed=3, init_std=0.1)
+    (tokens, logits, fused, te), _ = run_distributed(_packed_worker, 1, hf_dir, backend=None, env=NCCL_ENV)
+    assert fused == (te, te)  # the fusions follow the spec (models.builder.kernel_fusions)
+    tokens, logits = torch.from_numpy(tokens), torch.from_numpy(logits)
+    models = {dtype: AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).cuda().eval()
+              for dtype in (torch.float32, torch.bfloat16)}
+    start = 0
+    for length in PACKED_LENGTHS:
+        seq = tokens[:, start:start + length].cuda()
+        with torch.no_grad():
+            ref = {d: m(input_ids=seq).logits.float().cpu() for d, m in models.items()}
+        got = logits[:, start:start + length]
+        err = (got - ref[torch.float32]).abs().max().item()
+        err_hf_bf16 = (ref[torch.bfloat16] - ref[torch.float32]).abs().max().item()
+        scale = ref[torch.float32].std().item()
+        assert scale > 0.1
+        # a RoPE position error (a sequence rotated from the wrong offset) is of the order of `scale`
+        assert err <= 3.0 * err_hf_bf16 + 1e-3, (length, err, err_hf_bf16)
+        assert err < 0.25 * scale, (length, err, scale)
+        start += length

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from opkd_mcore.data import ALPHABET
+from opkd_mcore.models.builder import transformer_engine_usable
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from tests._dist import free_port, require_devices, run_distributed
 
@@ -297,6 +298,10 @@ def hf_dense_losses(models):
 
 # the fused loss kernels `opkd train` picks by default: Triton on a GPU, the C++ twin on CPU
 DEFAULT_FUSED = "triton" if torch.cuda.is_available() else "cpp"
+# Where Transformer Engine builds the Megatron teacher, its fp32 GEMMs run in TF32 (TE's cuBLAS
+# default, 10-bit mantissa): the losses then agree with the `transformers` teacher's full-fp32 ones
+# to within TF32's unit roundoff (2**-11), not fp32's
+TEACHER_LOSS_REL = 2.0 ** -11 if transformer_engine_usable() else 1e-4
 
 
 @pytest.mark.slow
@@ -319,7 +324,7 @@ def test_megatron_teacher_matches_hf_teacher(models, hf_dense_losses, name, npro
     assert f"loss: fused kernels ({DEFAULT_FUSED})" in log
     if "loss.lm_head_engine=rows" in overrides:
         assert "loss.fused_lm_head: on" in log and "lm_head_engine: rows" in log
-    assert [row["train/loss"] for row in run] == pytest.approx(hf_dense_losses, rel=1e-4)
+    assert [row["train/loss"] for row in run] == pytest.approx(hf_dense_losses, rel=TEACHER_LOSS_REL)
     assert all(row["teacher/nonfinite_rows"] == 0 and "teacher/top1_agreement" in row for row in run)
     assert all(row["timing/teacher"] == 0.0 for row in run)  # scored inside the step
 

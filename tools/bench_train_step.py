@@ -48,9 +48,9 @@ def parse_args(argv=None):
                    help="activation recompute of the student (parallel.recompute)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism (parallel.sequence_parallel; TE and tp > 1)")
-    p.add_argument("--fusions", action="store_true",
-                   help="Megatron's fused SwiGLU and fused RoPE (TE's kernel) on, as Megatron's own training "
-                        "defaults them (opkd builds models with them off)")
+    p.add_argument("--fusions", default="auto", choices=("auto", "on", "off"),
+                   help="Megatron's fused SwiGLU and fused RoPE (TE's kernel): auto = as opkd builds the "
+                        "model (on where Transformer Engine builds it, models.builder.kernel_fusions)")
     p.add_argument("--impls", default="fused,reference",
                    help="loss implementations to time, comma-separated (reference materialises fp32 logits)")
     p.add_argument("--iters", type=int, default=5, help="timed steps per implementation")
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     from opkd_mcore.engine.megatron_engine import MegatronEngine
     from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.models import build_model
-    from opkd_mcore.models.builder import memory_overrides
+    from opkd_mcore.models.builder import kernel_fusions, memory_overrides, transformer_engine_usable
     from opkd_mcore.models.tiny import NAMED_SHAPES, make_char_tokenizer, tiny_hf_config
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.train.objective import StepCounts, make_loss_fn
@@ -149,9 +149,9 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state as ps
 
     hf_config = tiny_hf_config("qwen3", NAMED_SHAPES[args.shape], make_char_tokenizer("0123456789+="))
-    fusions = dict(bias_activation_fusion=True, apply_rope_fusion=True) if args.fusions else {}
+    fused = args.fusions == "on" or (args.fusions == "auto" and transformer_engine_usable())
     chunks = build_model(hf_config, params_dtype=torch.bfloat16,
-                         **memory_overrides(args.recompute, args.sequence_parallel), **fusions)
+                         **memory_overrides(args.recompute, args.sequence_parallel), **kernel_fusions(fused))
     engine = MegatronEngine(chunks, OptimSection(lr=1e-6))
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     v_local = engine.padded_vocab_size // tp
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
                          peak_gb=round(peak_total / 1e9, 2)))
     logits_gb = own.num_tokens * v_local * 2 / 1e9
     layout = dict(tp=tp, cp=args.cp, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                  fusions=args.fusions)
+                  fusions=fused)
     meta = run_metadata(device=torch.cuda.get_device_name())
     result = dict(shape=args.shape, tokens=batch.num_tokens, k=args.k, **layout,
                   bf16_logits_gb=round(logits_gb, 2), rows=rows, meta=meta)
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         teacher = f"top-{args.k}" if args.k else "dense"
         print(f"{args.shape}, {batch.num_tokens} tokens in {batch.num_sequences} sequence(s), "
               f"teacher {teacher}, tp={tp} cp={args.cp} recompute={args.recompute} "
-              f"sp={args.sequence_parallel} fusions={args.fusions}; one bf16 logits buffer of a rank's rows "
+              f"sp={args.sequence_parallel} fusions={fused}; one bf16 logits buffer of a rank's rows "
               f"= {logits_gb:.2f} GB")
         print("| loss impl | step s | loss fwd+bwd s | loss share | peak above model GB | peak GB |")
         print("| --- | --- | --- | --- | --- | --- |")

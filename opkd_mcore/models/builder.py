@@ -126,8 +126,18 @@ def resolve_model_experts(bridge: ModelBridge, requested: str, params_dtype: tor
     return choice
 
 
-def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, **overrides):
-    """Megatron `TransformerConfig` for the bridge's HF config and the current parallel layout."""
+def kernel_fusions(use_te: bool) -> dict:
+    """Megatron's fused SwiGLU and fused RoPE (`TransformerConfig` fields), on where the Transformer
+    Engine spec builds the model: the fused RoPE is TE's kernel (packed sequences through their
+    cu_seqlens), and together they take ~13% off a training step (`docs/benchmarks.md`, Training step).
+    Without TE both stay unfused, which is exact everywhere (on CPU the fused SwiGLU would only be a
+    `torch.compile` of the same expression)."""
+    return dict(bias_activation_fusion=use_te, apply_rope_fusion=use_te)
+
+
+def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, use_te: bool = False, **overrides):
+    """Megatron `TransformerConfig` for the bridge's HF config and the current parallel layout;
+    `use_te`: the model is built on the Transformer Engine spec (`kernel_fusions`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
@@ -142,9 +152,10 @@ def transformer_config(bridge: ModelBridge, params_dtype: torch.dtype, **overrid
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         use_cpu_initialization=is_cpu(),
-        # the fused kernels below need apex/TE/GPU builds; the unfused paths are exact everywhere
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # off: the gradient-accumulation fusion needs apex's kernels; the other three have nothing to
+        # fuse in these layers (no output-projection bias or dropout; SDPA's or TE's softmax and norms)
+        masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, **kernel_fusions(use_te),
     )
     kwargs.update(overrides)
     if kwargs.get("moe_aux_loss_coeff"):
@@ -205,7 +216,7 @@ def build_model(hf_config, *, params_dtype: torch.dtype | None = None,
     experts = resolve_model_experts(bridge, moe_experts, dtype, etp)
     if experts is not None:
         config_overrides.setdefault("moe_grouped_gemm", experts.grouped_gemm)
-    config = transformer_config(bridge, dtype, **config_overrides)
+    config = transformer_config(bridge, dtype, use_te, **config_overrides)
     spec = layer_spec(bridge, use_te, experts)
     padded = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
     if padded_vocab is not None:

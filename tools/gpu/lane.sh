@@ -328,11 +328,12 @@ case "${1:-}" in
           --results "$OUT/results.jsonl" > "$OUT/levers_$tag.log" 2>&1
       grep -A2 "^| loss impl" "$OUT/levers_$tag.log" | tail -1 | sed "s/^/$tag /" || tail -5 "$OUT/levers_$tag.log"
     done ;;
-  fusions)  # the engine's packed step with Megatron's fused SwiGLU and fused RoPE off (opkd's build) and on
-    for f in "" --fusions; do
+  fusions)  # the engine's packed step with Megatron's fused SwiGLU and fused RoPE off and on (on: opkd's
+            # build where TE is installed)
+    for f in off on; do
       python3 tools/bench_train_step.py --shape "${SHAPE:-qwen3-0.6b}" --tokens 16384 --seq 256 --k 64 --impls fused \
-          --iters 5 $f --out "$OUT/fusions${f:+_on}.json" --results "$OUT/results.jsonl" > "$OUT/fusions${f:+_on}.log" 2>&1
-      grep -A2 "^| loss impl" "$OUT/fusions${f:+_on}.log" | tail -1 | sed "s/^/fusions${f:+ on} /" || tail -5 "$OUT/fusions${f:+_on}.log"
+          --iters 5 --fusions $f --out "$OUT/fusions_$f.json" --results "$OUT/results.jsonl" > "$OUT/fusions_$f.log" 2>&1
+      grep -A2 "^| loss impl" "$OUT/fusions_$f.log" | tail -1 | sed "s/^/fusions $f /" || tail -5 "$OUT/fusions_$f.log"
     done ;;
   train4)  # 4 GPUs: configs/gpu_qwen3_8b_from_14b_x4.yaml (the student at TP=2 x PP=2, the dense
            # Qwen3-14B-shaped Megatron teacher in its step, the engine beside rank 0), its checkpoints
