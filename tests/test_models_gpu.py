@@ -1,4 +1,4 @@
-"""GPU lane: Megatron Qwen3 in bf16 vs the HF model: TP=2 over NCCL (2 CUDA devices), and packed sequences on one.
+"""GPU lane: Megatron Qwen3 in bf16 vs HF: TP=2 over NCCL (2 CUDA devices), packed sequences on one.
 
 bf16 cannot equal fp32, so the check is relative to HF's own bf16 forward: the Megatron logits must
 be about as close to the fp32 HF logits (the reference) as HF-in-bf16 is.
