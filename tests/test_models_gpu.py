@@ -123,7 +123,8 @@ def test_packed_bf16_logits_match_separate_hf_forwards(tmp_path):
     shape = TinyModelShape(hidden_size=256, num_layers=4, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=64, intermediate_size=512, vocab_size=512)
     hf_dir = save_tiny_hf_model(str(tmp_path / "qwen3"), "qwen3", shape, seed=3, init_std=0.1)
-    (tokens, logits, fused, te), _ = run_distributed(_packed_worker, 1, hf_dir, backend=None, env=NCCL_ENV)
+    ((tokens, logits, fused, te),) = run_distributed(_packed_worker, 1, hf_dir, backend=None,
+                                                     env=NCCL_ENV)
     assert fused == (te, te)  # the fusions follow the spec (models.builder.kernel_fusions)
     tokens, logits = torch.from_numpy(tokens), torch.from_numpy(logits)
     models = {dtype: AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).cuda().eval()

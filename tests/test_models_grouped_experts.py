@@ -85,7 +85,7 @@ def one_rank():
     destroy_parallel()
 
 
-def _experts_pair(num_experts=4, hidden=32, ffn=48):
+def _experts_pair(num_experts=4, hidden=32, ffn=48, fusion=False):
     """(SequentialMLP, TorchGroupedMLP) of one config, the grouped one holding the same weights."""
     import torch.nn.functional as F
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -97,7 +97,7 @@ def _experts_pair(num_experts=4, hidden=32, ffn=48):
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
                                ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, num_moe_experts=num_experts,
                                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-                               bias_activation_fusion=False, use_cpu_initialization=True,
+                               bias_activation_fusion=fusion, use_cpu_initialization=True,
                                moe_router_topk=2, params_dtype=torch.float32)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     seq_spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
@@ -110,8 +110,11 @@ def _experts_pair(num_experts=4, hidden=32, ffn=48):
     return sequential, grouped
 
 
-def test_grouped_experts_equal_sequential_mlp(one_rank):
-    sequential, grouped = _experts_pair()
+# fusion: Megatron's fused SwiGLU in SequentialMLP's experts (on where TE builds the model), which the
+# grouped experts take too
+@pytest.mark.parametrize("fusion", [False, True], ids=["unfused", "fused_swiglu"])
+def test_grouped_experts_equal_sequential_mlp(one_rank, fusion):
+    sequential, grouped = _experts_pair(fusion=fusion)
     gen = torch.Generator().manual_seed(0)
     tokens_per_expert = torch.tensor([5, 0, 9, 3])  # an expert without tokens too
     x = torch.randn(17, 32, generator=gen)
@@ -132,6 +135,18 @@ def test_grouped_experts_equal_sequential_mlp(one_rank):
         torch.testing.assert_close(grouped.fc2_weight.grad[i], expert.linear_fc2.weight.grad,
                                    rtol=1e-5, atol=1e-6)
     assert grouped.fc1_weight.grad[1].abs().sum() == 0  # no tokens, zero gradient (not None)
+
+
+def test_grouped_experts_take_sequential_mlps_fused_activation(one_rank):
+    """In bf16 the fused SwiGLU rounds once where the unfused expression rounds twice: the grouped
+    experts' activation must be the very kernel SequentialMLP's experts call (bitwise)."""
+    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+    _, grouped = _experts_pair(fusion=True)
+    gen = torch.Generator().manual_seed(1)
+    fc1 = torch.randn(64, 96, generator=gen).to(torch.bfloat16)
+    probs = torch.rand(64, 1, generator=gen)
+    assert torch.equal(grouped._activation(fc1, probs), weighted_bias_swiglu_impl(fc1, None, probs))
 
 
 def test_grouped_experts_without_tokens(one_rank):

@@ -155,12 +155,23 @@ class TorchGroupedMLP(torch.nn.Module):
         # group ends, on the tokens' device (the all-to-all dispatcher hands the counts on the host)
         offs = tokens_per_expert.to(hidden.device).cumsum(0).to(torch.int32)
         fc1 = _ContiguousGrad.apply(torch._grouped_mm(hidden, self.fc1_weight.transpose(1, 2), offs=offs))
-        act = (self._glu(fc1) * probs).to(fc1.dtype)
+        act = self._activation(fc1, probs)
         out = torch._grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offs)
         return _ContiguousGrad.apply(out), None
 
+    def _activation(self, fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Megatron's MLP activation weighted by the routing probabilities, as SequentialMLP's experts
+        compute it: its fused SwiGLU kernel where `bias_activation_fusion` is on (one rounding to
+        bf16 instead of two, so the unfused expression would differ from it in bf16), else unfused."""
+        import torch.nn.functional as F
+
+        if self.config.bias_activation_fusion and self.config.activation_func is F.silu:
+            from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+            return weighted_bias_swiglu_impl(fc1, None, probs, self.config.activation_func_fp8_input_store)
+        return (self._glu(fc1) * probs).to(fc1.dtype)
+
     def _glu(self, x: torch.Tensor) -> torch.Tensor:
-        # Megatron's MLP activation, unfused: SequentialMLP's experts compute the same expression
         x_glu, x_linear = torch.chunk(x, 2, dim=-1)
         if (val := self.config.activation_func_clamp_value) is not None:
             x_glu, x_linear = x_glu.clamp(max=val), x_linear.clamp(min=-val, max=val)
