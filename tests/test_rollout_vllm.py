@@ -1,4 +1,5 @@
 """VllmRollout against a real vLLM (CPU build) engine and a `transformers` forward of the same tokens."""
+import dataclasses
 import logging
 import threading
 import time
@@ -67,6 +68,17 @@ def test_n_samples_per_prompt_with_groups_and_version(rollout):
         assert s.weight_version == 0
     # four samples of one prompt at temperature 1 over a peaked-but-not-degenerate model differ
     assert len({tuple(s.response_ids) for s in samples[:4]}) > 1
+
+
+def test_responses_without_logprobs_are_the_same_tokens(rollout):
+    """`SamplingConfig.logprobs=False` (what the trainer asks when nothing reads them): the same
+    seeded samples, without the per-token logprob lists."""
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=6, seed=4)
+    with_lp = rollout.generate(PROMPTS, sampling)
+    without = rollout.generate(PROMPTS, dataclasses.replace(sampling, logprobs=False))
+    assert [s.response_ids for s in without] == [s.response_ids for s in with_lp]
+    assert all(s.response_logprobs is None for s in without)
+    assert all(len(s.response_logprobs) == len(s.response_ids) for s in with_lp)
 
 
 def test_seeds_are_per_prompt_and_per_sample_and_reproducible(rollout):

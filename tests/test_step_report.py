@@ -2,6 +2,7 @@
 teacher stage scores through (`teacher.base.SampleScorer`), without engines."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -47,7 +48,9 @@ def test_sampling_config_is_the_rollout_section():
     cfg = _cfg("rollout.n=3", "parallel.global_batch_size=12", "rollout.temperature=0.7", "rollout.top_p=0.9",
                "rollout.top_k=5", "rollout.max_new_tokens=7", "rollout.seed=11")
     # the run's seed reaches the engine per prompt (with the prompts), never as one batch seed
-    assert sampling_config(cfg) == SamplingConfig(n=3, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=7)
+    # (no sampler logprobs: the logit-form loss reads none)
+    assert sampling_config(cfg) == SamplingConfig(n=3, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=7,
+                                                  logprobs=False)
 
 
 def test_step_metrics_add_timings_throughput_and_version_to_the_stages():
@@ -140,3 +143,18 @@ def test_teacher_stage_routes_through_the_scorer_interface():
     assert stages.teacher_stage(None, batch).teacher == [None] * 3
     with pytest.raises(TypeError):
         SampleScorer()  # the interface itself scores nothing
+
+
+@pytest.mark.parametrize("overrides, reads", [
+    ((), False),  # the logit-form KD loss reads no sampler logprobs
+    (("loss.form=policy_gradient", "loss.support=null"), True),  # its importance ratio does
+    (("controller.kind=ray", "run.schedule=async", "run.stale_policy=truncated_is"), True),  # IS weights
+])
+def test_the_rollout_is_asked_for_logprobs_only_where_they_are_read(overrides, reads):
+    assert sampling_config(_cfg(*overrides)).logprobs is reads
+
+
+def test_samples_without_sampler_logprobs_pack_without_them():
+    samples = [dataclasses.replace(_sample(0), response_logprobs=None), _sample(1)]
+    assert stages._sampler_logprobs(samples) is None
+    assert stages._sampler_logprobs([_sample(0), _sample(1)]) == [[-0.5, -0.5], [-0.5, -0.5]]

@@ -127,7 +127,8 @@ class RolloutEngineWorker:
             outs = self.engine.generate(prompts, one, seeds=seeds)
             for s, out in zip(active, outs):  # one sample per request, in request order
                 s["ids"] += out.response_ids
-                s["lps"] += out.response_logprobs
+                # None throughout where the engine is not asked for them (nothing reads them)
+                s["lps"] = None if out.response_logprobs is None else s["lps"] + out.response_logprobs
                 s["vers"] += [out.weight_version] * len(out.response_ids)
                 if out.finish_reason != "length" or len(s["ids"]) >= sampling.max_new_tokens:
                     s["finish"] = out.finish_reason

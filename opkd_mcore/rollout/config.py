@@ -17,6 +17,9 @@ class SamplingConfig:
     max_new_tokens: int = 64  # response length cap; finish_reason "length" when hit
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides EOS
     seed: int | None = None  # per-request seed; None = engine's random stream
+    # each response comes with the sampler's logprob of every token; False: vLLM takes no log-softmax
+    # over the vocabulary per decode step, builds no per-token lists, `Sample.response_logprobs` is None
+    logprobs: bool = True
 
     def validate(self) -> None:
         if self.n < 1:

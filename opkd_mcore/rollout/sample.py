@@ -8,14 +8,15 @@ from dataclasses import dataclass, field
 class Sample:
     """A prompt and one sampled response.
 
-    `response_logprobs[i]` is the sampler's logprob of `response_ids[i]`; `weight_version` is the
+    `response_logprobs[i]` is the sampler's logprob of `response_ids[i]` (None where the engine was
+    not asked for them: nothing in the run reads them); `weight_version` is the
     version of the student weights the whole response was generated with; `group_id` is the index
     of the prompt in its batch (the n samples of one prompt share it).
     """
 
     prompt_ids: list[int]
     response_ids: list[int]
-    response_logprobs: list[float]
+    response_logprobs: list[float] | None
     finish_reason: str
     weight_version: int
     group_id: int

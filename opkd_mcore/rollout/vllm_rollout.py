@@ -23,8 +23,9 @@ from opkd_mcore.rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
 
-# engine cores built in this process (rollout.engine_in_process): vLLM caches its environment then
-_IN_PROCESS_ENGINES: list[str] = []
+# whether an engine core was built in this process (rollout.engine_in_process): vLLM caches its
+# environment then
+_engine_core_built_here = False
 
 
 def sleep_mode_available() -> bool:
@@ -40,9 +41,9 @@ def sample_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def to_sampling_params(sampling: SamplingConfig, *, logprobs: int = 0, detokenize: bool = False):
-    """`SamplingConfig` -> `vllm.SamplingParams` asking for the sampled token's logprob;
-    `detokenize`: vLLM also decodes the response to text (`RolloutConfig.detokenize`)."""
+def to_sampling_params(sampling: SamplingConfig, *, logprobs: int | None = 0, detokenize: bool = False):
+    """`SamplingConfig` -> `vllm.SamplingParams` asking for the sampled token's logprob (`logprobs`
+    None: none); `detokenize`: vLLM also decodes the response to text (`RolloutConfig.detokenize`)."""
     from vllm import SamplingParams
 
     sampling.validate()
@@ -66,7 +67,7 @@ def check_in_process_engine(cfg: RolloutConfig) -> None:
         raise ValueError("rollout.engine_in_process: this process already has a torch.distributed world "
                          f"(rank {dist.get_rank()} of {dist.get_world_size()}), which vLLM's TP=1 worker "
                          "would join; expected a process without one (the Ray controller's rollout actor)")
-    if _IN_PROCESS_ENGINES:
+    if _engine_core_built_here:
         raise ValueError("rollout.engine_in_process: a rollout engine core was built in this process "
                          "before, and vLLM keeps the engine settings it read then; expected one per process")
 
@@ -95,6 +96,7 @@ class VllmRollout:
         self._cond = threading.Condition()
 
     def _build_engine(self, worker_extension_cls: str | None):
+        global _engine_core_built_here
         from vllm import LLM
 
         cfg = self.cfg
@@ -119,7 +121,7 @@ class VllmRollout:
         with engine_environment(in_process=cfg.engine_in_process):
             llm = LLM(**kwargs)
         if cfg.engine_in_process:
-            _IN_PROCESS_ENGINES.append(self.model_dir)
+            _engine_core_built_here = True
         if is_cpu():
             yield_cpu_to_trainer(before)
         return llm
@@ -240,7 +242,7 @@ class VllmRollout:
         prompt_ids = self._prompt_ids(prompts)
         if not self.cfg.per_sample_seeds:
             seeds, sampling = None, dataclasses.replace(sampling, seed=None)
-        requests, owners = self._requests(prompt_ids, sampling, seeds, self.cfg.detokenize)
+        requests, owners = self._requests(prompt_ids, sampling, seeds, self.cfg)
         version = self._enter()
         salt = prefix_cache_salt(version)
         inputs = [{"prompt_token_ids": prompt_ids[i], "cache_salt": salt} for i in owners]
@@ -248,14 +250,16 @@ class VllmRollout:
             outputs = self.llm.generate(inputs, requests, use_tqdm=self.cfg.use_tqdm)
         finally:
             self._exit()
-        return [self._to_sample(prompt_ids[i], c, version, i, data[i] if data else {})
+        with_logprobs = sampling.logprobs
+        return [self._to_sample(prompt_ids[i], c, version, i, data[i] if data else {}, with_logprobs)
                 for i, out in zip(owners, outputs) for c in out.outputs]
 
     @staticmethod
-    def _requests(prompt_ids, sampling: SamplingConfig, seeds, detokenize: bool) -> tuple[list, list[int]]:
+    def _requests(prompt_ids, sampling: SamplingConfig, seeds, cfg: RolloutConfig) -> tuple[list, list[int]]:
         """vLLM sampling params per request and the prompt each request belongs to (prompt-major)."""
+        options = dict(detokenize=cfg.detokenize, logprobs=0 if sampling.logprobs else None)
         if seeds is None and sampling.seed is None:
-            params = to_sampling_params(sampling, detokenize=detokenize)
+            params = to_sampling_params(sampling, **options)
             return [params] * len(prompt_ids), list(range(len(prompt_ids)))
         if seeds is None:
             seeds = [sample_seed(sampling.seed, i) for i in range(len(prompt_ids))]
@@ -264,13 +268,17 @@ class VllmRollout:
         for i, seed in enumerate(seeds):
             for j in range(sampling.n):
                 params.append(to_sampling_params(dataclasses.replace(one, seed=sample_seed(seed, j)),
-                                                 detokenize=detokenize))
+                                                 **options))
                 owners.append(i)
         return params, owners
 
     @staticmethod
-    def _to_sample(prompt_ids, completion, version, group_id, data) -> Sample:
+    def _to_sample(prompt_ids, completion, version, group_id, data, with_logprobs: bool = True) -> Sample:
         ids = [int(t) for t in completion.token_ids]
+        if not with_logprobs:
+            return Sample(prompt_ids=list(prompt_ids), response_ids=ids, response_logprobs=None,
+                          finish_reason=str(completion.finish_reason), weight_version=version,
+                          group_id=group_id, data=dict(data))
         steps = completion.logprobs
         if steps is None or len(steps) != len(ids):
             raise RuntimeError(f"generate: vLLM returned no per-token logprobs for prompt {group_id}")

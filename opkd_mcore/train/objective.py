@@ -200,6 +200,8 @@ def _policy_gradient(logits, batch, loss: LossSection):
     if loss.task_reward_coef and batch.task_advantages is not None:
         task_adv = loss.task_reward_coef * batch.task_advantages
     old_lp = batch.sampler_logprobs
+    if old_lp is None:  # step_report.reads_sampler_logprobs asks the engine for them in this form
+        raise RuntimeError("loss.form = policy_gradient: the samples carry no sampler logprobs")
     out = policy_gradient_kd_loss(student_lp, old_lp, teacher_lp, estimator=loss.kl_estimator,
                                   kl_coef=loss.pg_coef, clip_ratio=loss.clip_eps, task_advantages=task_adv)
     metrics = {"pg/sampled_kl": (student_lp - teacher_lp).detach(),

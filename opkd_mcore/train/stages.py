@@ -228,7 +228,7 @@ def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLa
         advantages = scored.task_advantages
         batch = pack_sequences(
             [s.sequence for s in samples], [len(s.prompt_ids) for s in samples],
-            sampler_logprobs=[s.response_logprobs for s in samples], teacher=_concat_teacher(rows),
+            sampler_logprobs=_sampler_logprobs(samples), teacher=_concat_teacher(rows),
             sequence_weights=None if seq_weights is None else seq_weights[idx],
             task_advantages=None if advantages is None else [advantages[i] for i in idx])
         own = in_step_teacher_packing(samples, rows)
@@ -236,6 +236,13 @@ def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLa
             batch = dataclasses.replace(batch, teacher_tokens=own[0], teacher_index=own[1])
         batches.append(batch)
     return batches, counts
+
+
+def _sampler_logprobs(samples: list[Sample]) -> list[list[float]] | None:
+    """The samples' sampler logprobs, or None where the engine was not asked for them
+    (`step_report.reads_sampler_logprobs`: then nothing in the step reads them)."""
+    rows = [s.response_logprobs for s in samples]
+    return None if any(r is None for r in rows) else rows
 
 
 def in_step_teacher_packing(samples: list[Sample],

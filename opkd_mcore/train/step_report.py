@@ -1,6 +1,7 @@
 """What one optimizer step reports, the same under both launchers.
 
-    sampling_config(cfg)     the rollout's `SamplingConfig`, from the `rollout` section
+    sampling_config(cfg)     the rollout's `SamplingConfig`, from the `rollout` section (and whether
+                             anything reads the sampler's logprobs: `reads_sampler_logprobs`)
     rollout_metrics(scored)  response lengths, stop fraction, teacher/student top-1 agreement
     step_metrics(...)        the step's metrics: its stages' own, timings, tokens/s, weight version
     sample_records(...)      its samples.jsonl lines, one per trained or dropped sample
@@ -24,11 +25,19 @@ from opkd_mcore.train.samples_log import SampleRecord, default_teacher_name
 from opkd_mcore.train.stages import ScoredBatch
 
 
+def reads_sampler_logprobs(cfg: TrainConfig) -> bool:
+    """Whether anything in the run reads the rollout sampler's token logprobs: the policy-gradient
+    form (its importance ratio) and the truncated importance weights of stale samples. Otherwise the
+    engine is not asked for them (a log-softmax over the vocabulary per decode step, per-token lists
+    built in Python)."""
+    return cfg.loss.form == "policy_gradient" or cfg.run.stale_policy == "truncated_is"
+
+
 def sampling_config(cfg: TrainConfig) -> SamplingConfig:
     """How the rollout samples every step (seeds come per prompt, with the prompts)."""
     ro = cfg.rollout
     return SamplingConfig(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                          max_new_tokens=ro.max_new_tokens)
+                          max_new_tokens=ro.max_new_tokens, logprobs=reads_sampler_logprobs(cfg))
 
 
 def rollout_metrics(scored: ScoredBatch) -> dict[str, float]:
