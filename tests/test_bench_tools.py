@@ -269,10 +269,11 @@ def test_bench_models_moe_trains_with_the_overlapped_distributed_optimizer_on_cp
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                            "2", "tools/bench_models.py", "--moe", *shape, "--warmup", "1", "--steps", "1",
                            "--tokens-per-rank", "64", "--overlap", "--moe-experts", "sequential",
-                           "--out", str(out)],
+                           "--balanced-routing", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(out.read_text())
     assert row["optimizer"] == "distributed+overlap"
     assert (row["tokens_per_rank"], row["micro_batches_per_rank"]) == (64, 2)
     assert row["tokens_per_step"] == 128 and row["ep"] == 2 and 0 < row["loss"] < float("inf")
+    assert row["routing"] == "balanced"

@@ -72,6 +72,10 @@ def parse_args():
     p.add_argument("--overlap", action="store_true",
                    help="--moe: the distributed optimizer with optim.overlap_grad_reduce and "
                         "optim.overlap_param_gather (DP collectives overlapped with backward / forward)")
+    p.add_argument("--balanced-routing", action="store_true",
+                   help="--moe: Megatron's moe_router_force_load_balancing (random router logits, every expert "
+                        "about the mean load), standing in for a trained router: a random-weight router sends "
+                        "up to 13x the mean load to one expert, which a rank's all-to-all then waits on")
     p.add_argument("--profile", default=None,
                    help="--moe: trace one more step of each implementation; operators by GPU time into "
                         "PREFIX_<impl>.txt (rank 0)")
