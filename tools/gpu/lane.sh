@@ -62,6 +62,8 @@
 #                                         # once and the slowest bucket loads (wait vs load, per source)
 #   bash tools/gpu/lane.sh train_moe      # opkd train, the same MoE student at EP=2 (2 GPUs; 8 layers on
 #                                         # H200s, 4 on H100s unless MOE_LAYERS), rollout + teacher on GPU 0
+#   bash tools/gpu/lane.sh train_moe_teacher  # opkd train, 0.6B student, the 8-layer 30B-A3B MoE teacher in
+#                                         # its step (1 GPU, EP=1), then the dense 1.7B teacher in the step
 #   bash tools/gpu/lane.sh peers_trl      # TRL's row beside opkd train's (0.6B <- 1.7B, top-64, 1 GPU, ~6 min;
 #                                         # the peers' wheels installed first: tools/gpu/README.md): per step
 #                                         # TRL's generate calls, sequences and response tokens (its notes)
@@ -422,5 +424,22 @@ case "${1:-}" in
     MOE_LAYOUTS=ep2-coloc bash "$0" e2e_moe "${@:2}"
     grep -hE "^host seconds by phase|^slowest bucket loads" \
         "$OUT/e2e_moe${MOE_LAYERS:-8}l_ep2-coloc${TAG:-}.log" ;;
+  train_moe_teacher)  # one GPU: the 0.6B student with an MoE teacher in its step (the Qwen3-30B-A3B shape with
+                      # MOE_LAYERS of its layers, default 8; EP=1, the experts module model.moe_experts picks),
+                      # then the same run with the dense 1.7B Megatron teacher in the step; models made if missing
+    t=${TAG:-}; l=${MOE_LAYERS:-8}; m=/tmp/models/qwen3-30b-a3b-${l}l
+    [ -d "$m" ] || python3 tools/make_model.py --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
+    for shape in qwen3-0.6b qwen3-1.7b; do
+      [ -d /tmp/models/$shape ] || python3 tools/make_model.py --shape $shape --out /tmp/models/$shape --device cuda
+    done
+    for teacher in "$m" /tmp/models/qwen3-1.7b; do
+      tag=$(basename "$teacher")
+      gpu_memory_log "$OUT/train_teacher_$tag$t.log" python3 -m opkd_mcore.cli train --config $CFG \
+          run.output_dir=/tmp/runs/tt_$tag$t teacher.teachers.0.backend=megatron teacher.teachers.0.model="$teacher" \
+          loss.support=null "${@:2}" > "$OUT/train_teacher_$tag$t.log" 2>&1
+      cp /tmp/runs/tt_$tag$t/metrics.jsonl "$OUT/train_teacher_$tag${t}_metrics.jsonl" || \
+          tail -30 "$OUT/train_teacher_$tag$t.log"
+    done
+    python3 tools/gpu/step_table.py "$OUT"/train_teacher_*"${t}"_metrics.jsonl ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
