@@ -280,8 +280,9 @@ def moe_checkpoints(tmp_path_factory):
 def test_moe_direct_sync_replays_into_the_engine_as_a_fresh_engine_loads(moe_checkpoints):
     """A bf16 Qwen3-MoE engine on one GPU (vLLM TP=1, no expert parallelism) started from B loads
     its syncs in place: A (the loaders run and are recorded), then B (replayed). After B every
-    parameter, the fused experts included, equals a fresh engine's started from B, bit for bit,
-    and greedy tokens match; after A they differ."""
+    parameter, the fused experts included, equals what the engine held freshly started from B
+    (vLLM's own checkpoint load and processing), bit for bit, and greedy tokens match; after A
+    they differ. (The first, loader-run sync against a fresh engine: test_weight_sync_moe.py.)"""
     if is_cpu():
         pytest.skip("the fused-MoE Triton backend needs a GPU")
     llm = _moe_engine(moe_checkpoints["B"])
