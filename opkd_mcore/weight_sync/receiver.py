@@ -8,8 +8,9 @@ Why not vLLM's native weight-transfer API: its engines are configured at engine 
 collective engine is tied to one GPU backend (nothing for CPU groups or other accelerators), and
 the API changed twice in a year. We use the layers it is built on: `model.load_weights` per
 bucket straight into the engine's tensors where vLLM's processing after loading is a no-op (dense
-unquantized models on GPUs: one copy per tensor, no allocation; from the second sync on, each
-bucket's recorded copies are replayed without the Python loaders, see `copy_replay.py`), and layerwise reload
+unquantized models on GPUs, and unquantized fused-MoE experts on vLLM's Triton backends: one copy
+per tensor, or per expert tensor, no allocation; from the second sync on, each bucket's recorded
+copies are replayed without the Python loaders, see `copy_replay.py`), and layerwise reload
 (`initialize_layerwise_reload` → `load_weights` per bucket → `finalize_layerwise_reload`)
 everywhere else, e.g. on CPU backends that repack linear weights after loading (a plain
 `load_weights` into such an engine fails). `engine_load_mode` decides.
@@ -125,15 +126,64 @@ def _cpu_moe_prepack_on_update(model):
             del method.process_weights_after_loading
 
 
-def _processing_is_noop(method) -> bool:
-    """True for vLLM's unquantized linear / embedding methods, whose processing after loading
-    does nothing off the CPU (on the CPU it repacks the weights for its GEMM library)."""
+# vLLM releases whose unquantized fused-MoE processing was read and found to leave a Triton
+# backend's experts exactly as the weight loader writes them (see `_fused_moe_layout_change`)
+MOE_DIRECT_VLLM_RELEASES = ("0.26.", "0.32.")
+
+
+def _fused_moe_layout_change(method, layer) -> str | None:
+    """None where vLLM's unquantized fused-MoE processing left `layer`'s experts (w13_weight
+    [E, 2F, H], w2_weight [E, H, F]) exactly as the experts' weight loader writes them, else why not.
+
+    Judged on the layer's state after start-up. In the releases listed, processing on a CUDA GPU
+    selects a backend ("TRITON" on Hopper: vLLM puts FlashInfer's unquantized kernels after Triton
+    on SM90; "BATCHED_TRITON" under a batched all-to-all), converts the weights to its format, which
+    for both Triton backends is `.contiguous()` of tensors created contiguous (the same storage
+    back), re-registers them as parameters over that storage, and builds the modular kernel, which
+    reads them at every call. The other backends re-layout: FlashInfer CUTLASS swaps w1/w3, TRT-LLM
+    permutes into blocks, AITER shuffles, XPU transposes, ROCm pads Triton's rows (a strided view,
+    seen here as non-contiguous), the CPU repacks. vLLM expert parallelism maps experts through a
+    table that EPLB may change and is not accepted either.
+    """
+    import vllm
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    if type(method) is not UnquantizedFusedMoEMethod:  # a subclass or platform override may re-layout
+        return f"{type(method).__name__} is not vLLM's UnquantizedFusedMoEMethod"
+    if not vllm.__version__.startswith(MOE_DIRECT_VLLM_RELEASES):
+        return f"vLLM {vllm.__version__}: its fused-MoE processing was not checked for in-place loads"
+    backend = getattr(method, "unquantized_backend", None)
+    if backend not in (UnquantizedMoeBackend.TRITON, UnquantizedMoeBackend.BATCHED_TRITON):
+        return f"fused-MoE backend {getattr(backend, 'value', backend)} converts the expert layout"
+    if getattr(method, "moe_kernel", None) is None:
+        return "the fused-MoE kernel is not set up (processing has not run)"
+    if getattr(layer, "expert_map", None) is not None:
+        return "vLLM expert parallelism (an expert map)"
+    for name in ("w13_weight", "w2_weight"):
+        w = getattr(layer, name, None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 3 or not w.is_contiguous() \
+                or getattr(w, "is_shuffled", False):
+            return f"{name} is not a contiguous [experts, rows, cols] tensor in the loaded layout"
+    return None
+
+
+def _processing_change(method, layer) -> str | None:
+    """None where vLLM's processing after loading leaves `layer`'s weights as its loaders write them
+    (off the CPU), else why not: the unquantized linear / embedding methods (whose processing does
+    nothing off the CPU; on the CPU it repacks the weights for its GEMM library) and the
+    unquantized fused-MoE method where `_fused_moe_layout_change` finds its processing a no-op."""
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     process = getattr(type(method), "process_weights_after_loading", None)
-    return process in (UnquantizedLinearMethod.process_weights_after_loading,
-                       UnquantizedEmbeddingMethod.process_weights_after_loading)
+    if process in (UnquantizedLinearMethod.process_weights_after_loading,
+                   UnquantizedEmbeddingMethod.process_weights_after_loading):
+        return None
+    if isinstance(method, FusedMoEMethodBase):
+        return _fused_moe_layout_change(method, layer)
+    return f"{type(method).__name__} processes its weights after loading"
 
 
 def engine_load_mode(model, on_cpu: bool) -> str:
@@ -142,21 +192,24 @@ def engine_load_mode(model, on_cpu: bool) -> str:
     "direct" is `model.load_weights` straight into the engine's tensors (each weight loader copies
     its slice in place), as verl and vLLM's own RLHF examples do. It is exact only where vLLM's
     processing after loading is a no-op, so it is chosen only then: off the CPU, and every layer
-    that owns weights uses the unquantized linear / embedding method (a subclass that overrides
-    the processing, a quantized layer or a fused-MoE layer, whose kernel set-up may re-layout its
-    experts, all keep "layerwise"). "layerwise" is vLLM's layerwise reload: each layer is
-    rebuilt, loaded, processed and copied back (needed on the CPU, whose linear layers repack).
-    Attention modules own no checkpoint weights in an unquantized model and are not consulted.
+    that owns weights uses the unquantized linear / embedding method, or the unquantized fused-MoE
+    method on a Triton backend without vLLM expert parallelism (`_fused_moe_layout_change`); a
+    subclass that overrides the processing, a quantized layer, a fused-MoE layer on another kernel
+    all keep "layerwise". "layerwise" is vLLM's layerwise reload: each layer is rebuilt, loaded,
+    processed and copied back (needed on the CPU, whose linear layers repack). Attention modules
+    own no checkpoint weights in an unquantized model and are not consulted.
     """
     from vllm.model_executor.layers.attention import Attention
 
     if on_cpu:
         return "layerwise"
-    for module in model.modules():
+    for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is None or isinstance(module, Attention):
             continue
-        if not _processing_is_noop(method):
+        why = _processing_change(method, module)
+        if why is not None:
+            logger.info("weight sync loads layerwise: %s (%s)", name or type(module).__name__, why)
             return "layerwise"
     return "direct"
 

@@ -174,7 +174,7 @@ case "${1:-}" in
         tests/test_weight_sync_transport.py -k "not hidden and not policy" ;;
   tests4)  # one GPU: the hidden-state teacher, the policy-gradient form, the resume, the MoE sync
     bash "$0" tests tests/test_train_integration.py tests/test_train_resume.py tests/test_weight_sync_moe.py \
-        -k "hidden or policy or resume or ep2" ;;
+        tests/test_weight_sync_moe_direct.py -k "hidden or policy or resume or ep2 or moe_direct" ;;
   e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
         # (an 8B run takes several minutes: engine start, loading 16 GB, raw transfer; give it >= 280 s)
     [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
