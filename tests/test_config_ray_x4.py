@@ -6,6 +6,7 @@ lane runs on 80 GB cards (trainer at PP=3 on three GPUs, engine and teacher shar
 from __future__ import annotations
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,8 @@ from opkd_mcore.controller.placement import Placement
 from opkd_mcore.models.tiny import NAMED_SHAPES
 from tests._hf_config import hf_checkpoint
 
-CONFIG = "configs/gpu_qwen3_8b_from_14b_ray_x4.yaml"
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                      "gpu_qwen3_8b_from_14b_ray_x4.yaml")
 # what tools/gpu/lane.sh train4_ray adds on GPUs under 100 GiB (RAY4_LAYOUT=3+1; the config's header)
 H100_LAYOUT = ["parallel.tp=1", "parallel.pp=3", "parallel.world_size=3",
                "controller.teachers_with_rollout=true", "rollout.gpu_memory_utilization=0.45"]
