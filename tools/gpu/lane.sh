@@ -56,6 +56,11 @@
 #   bash tools/gpu/lane.sh teacher_hidden # a served teacher: top-64 rows vs hidden states, bytes and tokens/s
 #   bash tools/gpu/lane.sh train4         # 4 GPUs: Qwen3-8B-shaped student at TP=2 x PP=2, dense 14B Megatron
 #                                         # teacher in the step; tokens/s per GPU, MFU, utilization, memory
+#   bash tools/gpu/lane.sh train4_ray     # 4 GPUs, Ray carried: the same student disaggregated under the Ray
+#                                         # controller (trainer GPUs 0-1, engine GPU 2, 14B vLLM teacher GPU 3),
+#                                         # one_step_off; SCHEDULES="sync one_step_off" runs both, a row each;
+#                                         # RAY4_LAYOUT=3+1 (auto on GPUs < 100 GiB): trainer PP=3, engine and
+#                                         # teacher sharing GPU 3
 #   bash tools/gpu/lane.sh e2e_moe        # expert weight sync of a Qwen3-30B-A3B-shaped student (8 layers)
 #                                         # into vLLM vs raw, EP=1 then EP=2 (2 GPUs; MOE_LAYERS, MOE_LAYOUTS)
 #   bash tools/gpu/lane.sh e2e_moe_sync   # e2e_moe's ep2-coloc alone, then the most layers vLLM held at
@@ -441,5 +446,62 @@ case "${1:-}" in
           tail -30 "$OUT/train_teacher_$tag$t.log"
     done
     python3 tools/gpu/step_table.py "$OUT"/train_teacher_*"${t}"_metrics.jsonl ;;
+  train4_ray)  # 4 GPUs under the Ray controller: configs/gpu_qwen3_8b_from_14b_ray_x4.yaml (the train4
+               # student at TP=2 on GPUs 0-1, its vLLM engine on GPU 2, the Qwen3-14B-shaped vLLM teacher,
+               # top-64, on GPU 3; weights over an NCCL group), one `opkd train` per schedule of SCHEDULES
+               # (one_step_off; "sync one_step_off" for both), each stopped at its share of RAY4_BUDGET s
+               # (540) from the step's start. RAY4_LAYOUT: 2+1+1 (the config) where GPU 0 has >= 100 GiB,
+               # else 3+1 (trainer at PP=3 on GPUs 0-2, engine and teacher sharing GPU 3: the config's
+               # header has the arithmetic). Then one step table, a row per schedule: tokens/s per GPU over
+               # the 4 GPUs, each GPU's utilization and peak memory (MFU: the student's FLOPs only, over 4)
+    python3 -c "import ray" 2>/dev/null || { echo "train4_ray: Ray is not importable here: carry" \
+        ".whl-ray/a and .whl-ray/b (bash tools/gpu/wheels.sh ray), one call each running" \
+        "'bash tools/gpu/env.sh stash DIR', before the call that runs env.sh (tools/gpu/README.md)"; exit 1; }
+    big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+    layout=${RAY4_LAYOUT:-$([ "${big:-0}" -ge 102400 ] && echo 2+1+1 || echo 3+1)}
+    case $layout in
+      2+1+1) lay=() ;;
+      3+1) lay=(parallel.tp=1 parallel.pp=3 parallel.world_size=3 controller.teachers_with_rollout=true
+                rollout.gpu_memory_utilization=0.45) ;;
+      *) echo "RAY4_LAYOUT: expected 2+1+1 or 3+1, got $layout"; exit 2 ;;
+    esac
+    SECONDS=0; t=${TAG:-}
+    for gpu in 0 1; do  # as train4: both checkpoints at once, a half-written one (no tokenizer) made again
+      shape=qwen3-8b; [ $gpu = 1 ] && shape=qwen3-14b
+      [ -f /tmp/models/$shape/tokenizer_config.json ] && continue
+      CUDA_VISIBLE_DEVICES=$gpu python3 tools/make_model.py --shape $shape --out /tmp/models/$shape \
+          --seed $((gpu + 1)) --device cuda > "$OUT/make_$shape.log" 2>&1 &
+    done
+    wait
+    echo "models ready after $SECONDS s; layout $layout (GPU 0 has $big MiB)" | tee "$OUT/train4_ray$t.info"
+    nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 500 \
+        | while IFS= read -r line; do e=${EPOCHREALTIME:-$(date +%s.%N)}; echo "${e/,/.}, $line"; done \
+        > "$OUT/train4_ray$t.smi" &
+    sampler=$!
+    read -r -a scheds <<< "${SCHEDULES:-one_step_off}"
+    metrics=()
+    for i in "${!scheds[@]}"; do
+      s=${scheds[$i]}; log="$OUT/train4_ray_$s$t"
+      budget=$(( (${RAY4_BUDGET:-540} - SECONDS) / (${#scheds[@]} - i) ))
+      gpu_memory_log "$log.log" timeout -s INT -k 30 "$budget" python3 -m opkd_mcore.cli train \
+          --config configs/gpu_qwen3_8b_from_14b_ray_x4.yaml --overwrite run.output_dir=/tmp/runs/t4r_$s$t \
+          run.schedule="$s" "${lay[@]}" "${@:2}" > "$log.log" 2>&1
+      rc=$?
+      echo "$s ($layout) ended (exit $rc) after $SECONDS s: $(grep "peak GPU memory" "$log.log" | tail -n 1)"
+      if [ $rc != 0 ]; then  # 124: stopped at its budget; the steps it finished still make a row
+        tail -n 30 "$log.log"
+        # the actors' output stays in Ray's logs: a failed start's root cause is there
+        (cd /tmp/ray/session_latest/logs 2>/dev/null && tail -n 60 worker-*.err > "${log}_ray_workers.err")
+      fi
+      # a run stopped at its budget can leave actors and engine processes holding the GPUs
+      pkill -9 -f '[r]aylet|[g]cs_server|[E]ngineCore|[r]ay::'; sleep 3
+      # -p keeps the mtime: the end of the last step, where the table's utilization window ends
+      cp -p "/tmp/runs/t4r_$s$t/metrics.jsonl" "${log}_metrics.jsonl" 2>/dev/null \
+          && metrics+=("${log}_metrics.jsonl")
+    done
+    kill $sampler 2>/dev/null
+    [ ${#metrics[@]} -gt 0 ] || exit 1
+    python3 tools/gpu/step_table.py "${metrics[@]}" --gpus 4 --student /tmp/models/qwen3-8b \
+        --smi "$OUT/train4_ray$t.smi" | tee "$OUT/train4_ray$t.table" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
