@@ -158,6 +158,8 @@ class BucketReceiver:
         buffer item i-1 used, overlaps loading item i."""
         marks = self.stats.last_marks
         sequence = [b for b in plan.receive_sequence() if b.pp_stage in stages]
+        if not sequence:  # the joined stages own no tensors: nothing to receive
+            return
         transports = [stages[b.pp_stage][0] for b in sequence]
         if not all(t.lends_buffers for t in self.transports):
             self._ensure_buffers(plan, self.transports[0])

@@ -146,13 +146,15 @@ def _fused_moe_layout_change(method, layer) -> str | None:
     table that EPLB may change and is not accepted either.
     """
     import vllm
+
+    # first: another release may not even have the modules below
+    if not vllm.__version__.startswith(MOE_DIRECT_VLLM_RELEASES):
+        return f"vLLM {vllm.__version__}: its fused-MoE processing was not checked for in-place loads"
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     if type(method) is not UnquantizedFusedMoEMethod:  # a subclass or platform override may re-layout
         return f"{type(method).__name__} is not vLLM's UnquantizedFusedMoEMethod"
-    if not vllm.__version__.startswith(MOE_DIRECT_VLLM_RELEASES):
-        return f"vLLM {vllm.__version__}: its fused-MoE processing was not checked for in-place loads"
     backend = getattr(method, "unquantized_backend", None)
     if backend not in (UnquantizedMoeBackend.TRITON, UnquantizedMoeBackend.BATCHED_TRITON):
         return f"fused-MoE backend {getattr(backend, 'value', backend)} converts the expert layout"
