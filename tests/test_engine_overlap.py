@@ -56,20 +56,28 @@ def _named_params(chunks) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
 
 
-def _run(hf_dir: str, ckpt_dir: str, overlap: bool) -> dict:
+def _engine(hf_dir: str, overlap_grad_reduce: bool, overlap_param_gather: bool):
+    """The checkpoint's student in a `MegatronEngine` with the distributed optimizer and these overlaps
+    (in an initialised parallel state)."""
     from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.engine.megatron_engine import MegatronEngine
     from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
+
+    chunks = build_model(load_hf_config(hf_dir))
+    load_hf_weights(chunks, hf_dir)
+    return MegatronEngine(chunks, OptimSection(lr=5e-3, clip_grad=0.05, use_distributed_optimizer=True,
+                                               overlap_grad_reduce=overlap_grad_reduce,
+                                               overlap_param_gather=overlap_param_gather))
+
+
+def _run(hf_dir: str, ckpt_dir: str, overlap: bool) -> dict:
+    from opkd_mcore.models import build_model, load_hf_config
     from opkd_mcore.models.convert import load_mcore_model
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
 
     init_parallel(ParallelConfig(tp=1, pp=1, seed=7))
     try:
-        chunks = build_model(load_hf_config(hf_dir))
-        load_hf_weights(chunks, hf_dir)
-        optim = OptimSection(lr=5e-3, clip_grad=0.05, use_distributed_optimizer=True,
-                             overlap_grad_reduce=overlap, overlap_param_gather=overlap)
-        engine = MegatronEngine(chunks, optim)
+        engine = _engine(hf_dir, overlap, overlap)
         losses = [engine.train_step(_my_micro_batches(), _loss_fn)["train/loss"] for _ in range(STEPS)]
         out = {"right_after_step": _named_params(engine.model)}
         if overlap:  # the trap: an export that does not ask for fresh params reads the stale ones
@@ -101,9 +109,7 @@ def _run_fused_head(hf_dir: str, overlap: bool) -> dict:
     """The fused LM head reads the output weight without running the output layer (whose forward
     pre-hook would wait for its all-gather); a bucket per parameter puts that weight's all-gather last.
     Both runs overlap the grad reduction (the same buckets, so the same sums); one the param gather too."""
-    from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.engine import megatron_engine
-    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
 
     def small_buckets(cfg):
@@ -114,11 +120,7 @@ def _run_fused_head(hf_dir: str, overlap: bool) -> dict:
     real_ddp_config, megatron_engine.ddp_config = megatron_engine.ddp_config, small_buckets
     init_parallel(ParallelConfig(tp=1, pp=1, seed=7))
     try:
-        chunks = build_model(load_hf_config(hf_dir))
-        load_hf_weights(chunks, hf_dir)
-        optim = OptimSection(lr=5e-3, clip_grad=0.05, use_distributed_optimizer=True,
-                             overlap_grad_reduce=True, overlap_param_gather=overlap)
-        engine = megatron_engine.MegatronEngine(chunks, optim)
+        engine = _engine(hf_dir, True, overlap)
         losses = [engine.train_step(_my_micro_batches(), _fused_head_loss_fn,
                                     fused_lm_head=True)["train/loss"] for _ in range(STEPS)]
         engine.fresh_params()

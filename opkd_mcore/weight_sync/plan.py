@@ -211,17 +211,9 @@ class BucketPlan:
         rank: dict[str, int] = {}
         for s in self.slots:
             rank.setdefault(tensor_group(s.name), len(rank))
-        queues = {stage: self.stage_buckets(stage) for stage in self.stages}
-        heads = [(rank[tensor_group(self.slots[q[0].slots[0]].name)], stage) for stage, q in queues.items()]
-        heapq.heapify(heads)
-        out = []
-        while heads:
-            _, stage = heapq.heappop(heads)
-            queue = queues[stage]
-            out.append(queue.pop(0))
-            if queue:
-                heapq.heappush(heads, (rank[tensor_group(self.slots[queue[0].slots[0]].name)], stage))
-        return out
+        # each stage's buckets start at groups in the export order; merge keeps the lower stage first on ties
+        return list(heapq.merge(*(self.stage_buckets(stage) for stage in self.stages),
+                                key=lambda b: rank[tensor_group(self.slots[b.slots[0]].name)]))
 
     def max_bucket_nbytes(self, stage: int | None = None) -> int:
         return max(b.nbytes for b in self.buckets if stage is None or b.pp_stage == stage)

@@ -97,6 +97,26 @@ PY
   return $rc
 }
 
+make_x4_models() {  # the 8B student's and 14B teacher's checkpoints at once on GPUs 0 and 1 (16 + 30 GB),
+                   # if missing; the tokenizer is written last, so a directory a stopped call left
+                   # half-written is made again
+  local gpu shape
+  for gpu in 0 1; do
+    shape=qwen3-8b; [ $gpu = 1 ] && shape=qwen3-14b
+    [ -f /tmp/models/$shape/tokenizer_config.json ] && continue
+    CUDA_VISIBLE_DEVICES=$gpu python3 tools/make_model.py --shape $shape --out /tmp/models/$shape \
+        --seed $((gpu + 1)) --device cuda > "$OUT/make_$shape.log" 2>&1 &
+  done
+  wait
+}
+
+start_smi_sampler() {  # every GPU's utilization and memory twice a second into $1, stamped with the epoch
+                       # (step_table.py --smi); the sampler's pid in $sampler
+  nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 500 \
+      | while IFS= read -r line; do e=${EPOCHREALTIME:-$(date +%s.%N)}; echo "${e/,/.}, $line"; done > "$1" &
+  sampler=$!
+}
+
 case "${1:-}" in
   tests)
     targets=("${@:2}"); [ ${#targets[@]} -eq 0 ] && targets=(tests/)
@@ -351,21 +371,9 @@ case "${1:-}" in
            # figures come back within one call. Then the step table, per GPU: tokens/s, MFU,
            # utilization and peak memory
     SECONDS=0; t=${TAG:-}; log="$OUT/train4$t"
-    # both checkpoints at once on GPUs 0 and 1 (16 + 30 GB); the tokenizer is written last, so a directory
-    # a stopped call left half-written is made again
-    for gpu in 0 1; do
-      shape=qwen3-8b; [ $gpu = 1 ] && shape=qwen3-14b
-      [ -f /tmp/models/$shape/tokenizer_config.json ] && continue
-      CUDA_VISIBLE_DEVICES=$gpu python3 tools/make_model.py --shape $shape --out /tmp/models/$shape \
-          --seed $((gpu + 1)) --device cuda > "$OUT/make_$shape.log" 2>&1 &
-    done
-    wait
+    make_x4_models
     echo "models ready after $SECONDS s"
-    # every GPU's utilization and memory twice a second, stamped with the epoch (step_table.py --smi)
-    nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 500 \
-        | while IFS= read -r line; do e=${EPOCHREALTIME:-$(date +%s.%N)}; echo "${e/,/.}, $line"; done \
-        > "$log.smi" &
-    sampler=$!
+    start_smi_sampler "$log.smi"
     gpu_memory_log "$log.log" timeout -s INT -k 30 $(( ${TRAIN4_BUDGET:-540} - SECONDS )) \
         python3 -m torch.distributed.run --nproc_per_node 4 -m opkd_mcore.cli train \
         --config configs/gpu_qwen3_8b_from_14b_x4.yaml --overwrite run.output_dir=/tmp/runs/t4$t "${@:2}" \
@@ -466,18 +474,9 @@ case "${1:-}" in
       *) echo "RAY4_LAYOUT: expected 2+1+1 or 3+1, got $layout"; exit 2 ;;
     esac
     SECONDS=0; t=${TAG:-}
-    for gpu in 0 1; do  # as train4: both checkpoints at once, a half-written one (no tokenizer) made again
-      shape=qwen3-8b; [ $gpu = 1 ] && shape=qwen3-14b
-      [ -f /tmp/models/$shape/tokenizer_config.json ] && continue
-      CUDA_VISIBLE_DEVICES=$gpu python3 tools/make_model.py --shape $shape --out /tmp/models/$shape \
-          --seed $((gpu + 1)) --device cuda > "$OUT/make_$shape.log" 2>&1 &
-    done
-    wait
+    make_x4_models
     echo "models ready after $SECONDS s; layout $layout (GPU 0 has $big MiB)" | tee "$OUT/train4_ray$t.info"
-    nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 500 \
-        | while IFS= read -r line; do e=${EPOCHREALTIME:-$(date +%s.%N)}; echo "${e/,/.}, $line"; done \
-        > "$OUT/train4_ray$t.smi" &
-    sampler=$!
+    start_smi_sampler "$OUT/train4_ray$t.smi"
     read -r -a scheds <<< "${SCHEDULES:-one_step_off}"
     metrics=()
     for i in "${!scheds[@]}"; do
