@@ -54,6 +54,18 @@ EXTENDED = {
     # the e2e sync bench of the 30B-A3B-shaped MoE at EP=1 (kept); EP=2 sync into a running engine is
     # test_weight_sync_moe.py::test_ep2_student_synced_matches_its_hf_export
     "tests/test_models_moe_shapes.py::test_e2e_sync_bench_of_a_megatron_student_tiny_qwen3_moe_from_the_30b_shape[ep2-coloc]",
+    # ... and at EP=1: the tool's row logic is test_bench_tools.py's (kept, a dense model), the MoE sync
+    # into a running engine test_weight_sync_moe.py's (kept)
+    "tests/test_models_moe_shapes.py::test_e2e_sync_bench_of_a_megatron_student_tiny_qwen3_moe_from_the_30b_shape[tp1-disagg]",
+    # the self teacher at PP=2 equals a separate teacher and the paired reference in-process
+    # (test_self_teacher_equals_a_separate_megatron_teacher_and_the_paired_reference[1-2-...], kept), and
+    # `opkd demo --variant self_distill` (kept) runs a self teacher through the product
+    "tests/test_self_teacher.py::test_opkd_train_with_a_self_teacher_under_pp2_gives_the_losses_of_the_paired_reference",
+    # the rows engine's step equals the chunked one in train_stage (test_fused_linear_kd_train.py, kept), and
+    # recompute's loss and gradients equal none's (test_recompute.py, kept): the entry point passes both
+    # keys as it passes any other
+    "tests/test_train_integration.py::test_megatron_teacher_matches_hf_teacher[tp1-rows-1-overrides4]",
+    "tests/test_train_integration.py::test_megatron_teacher_matches_hf_teacher[tp1-recompute-1-overrides5]",
 }
 
 
