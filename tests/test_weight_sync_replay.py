@@ -133,14 +133,39 @@ def _split_receiver_proc(groups, versions, queue, loads_in_place):
         queue.put(("error", 1, traceback.format_exc()))
 
 
-def _sync_four_versions(receiver_target, *receiver_args, bucket_bytes=BUCKET_BYTES):
-    """Stage 0 of the two-stage plan sent as versions 3..6 by a real sender process to a receiver
-    process running `receiver_target(groups, versions, queue, *receiver_args)`; returns what the
-    receiver reported."""
+def _staging_receiver_proc(groups, versions, queue):
+    """A colocated receiver whose engine device is not the lent buffers' (an EP rank's beside the
+    engine's GPU, by device IPC): on CPU, "cpu:0" stands in for that other device. Per sync: whether
+    the model equals the reference, buckets staged, buckets replayed, the staging buffer's address."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        from opkd_mcore.weight_sync import bucket_receiver
+
+        bucket_receiver.current_device = lambda device=None: torch.device("cpu", 0)
+        model, reference = StandInEngineModel(), StandInEngineModel()
+        receiver, replay = BucketReceiver(), BucketReplay(model_storages(model))
+        receiver.join(groups[:1], 1, transport="colocated_ipc")
+        per_sync = []
+        for v in versions:
+            assert receiver.receive(model.load_weights, replay, loads_in_place=True) == v
+            reference.load_weights(_stage_tensors(0, v))
+            equal = all(torch.equal(a, b) for a, b in zip(_state(model).values(), _state(reference).values()))
+            per_sync.append((equal, receiver.stats.last_staged, receiver.stats.last_replayed,
+                             receiver._staging.data_ptr()))
+        queue.put(("receiver", 1, (per_sync, len(receiver.plan.stage_buckets(0)))))
+        receiver.close()
+    except BaseException:
+        queue.put(("error", 1, traceback.format_exc()))
+
+
+def _sync_four_versions(receiver_target, *receiver_args, bucket_bytes=BUCKET_BYTES, transport="group"):
+    """Stage 0 of the two-stage plan sent as versions 3..6 by a real sender process (over `transport`)
+    to a receiver process running `receiver_target(groups, versions, queue, *receiver_args)`; returns
+    what the receiver reported."""
     queue = mp.get_context("spawn").Queue()
     groups = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=60).stage_groups(2)
     versions = [3, 4, 5, 6]
-    procs = [_start(_sender_proc, 0, groups[0], versions, queue, "group", bucket_bytes),
+    procs = [_start(_sender_proc, 0, groups[0], versions, queue, transport, bucket_bytes),
              _start(receiver_target, groups, versions, queue, *receiver_args)]
     results = _collect(queue, 2, timeout=120)
     for p in procs:
@@ -159,6 +184,16 @@ def test_replayed_syncs_equal_the_loaders_bitwise():
     # bucket i always arrives in receive buffer i % 2: each is recorded once, on the first sync
     assert first == (True, num_buckets, 0)
     assert later == [(True, 0, num_buckets)] * len(later)
+
+
+def test_buckets_lent_from_another_device_are_staged_once_and_replayed_from_the_staging_buffer():
+    per_sync, num_buckets = _sync_four_versions(_staging_receiver_proc, transport="colocated_ipc")
+    assert num_buckets > 2
+    assert all(equal for equal, *_ in per_sync)
+    assert [staged for _, staged, _, _ in per_sync] == [num_buckets] * len(per_sync)
+    # recorded on the first sync (keyed by the staging buffer), replayed from then on
+    assert [replayed for _, _, replayed, _ in per_sync] == [0] + [num_buckets] * (len(per_sync) - 1)
+    assert len({ptr for *_, ptr in per_sync}) == 1  # one staging buffer, allocated once
 
 
 def _bucket_of(*tensors: torch.Tensor) -> torch.Tensor:

@@ -182,6 +182,8 @@ def _phases(syncer) -> dict:
                    held_copy_mb=worker["last_deferred_copy_bytes"] / 1e6,
                    held_copy_s=worker["last_deferred_copy_s"],
                    loaded_replayed=worker["last_replayed"],
+                   # lent buckets on another device than the engine's, copied whole before the load
+                   loaded_staged=worker["last_staged"],
                    # the engine calls around the receive, posted together (receive, version stamp;
                    # the rollout salts its prefix cache, so no reset): posting, reaching the
                    # worker, hearing back, the stamp's answer after the receive's
