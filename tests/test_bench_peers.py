@@ -155,6 +155,21 @@ def test_verl_overrides_follow_the_workload():
     assert dense["distillation.distillation_loss.loss_mode"] == "k3"
 
 
+def test_verl_command_builds_its_models_with_sdpa_and_no_flash_attn_path():
+    """The GPU machine has no flash-attn package: verl's model config defaults to flash_attention_2
+    and its packed (remove-padding) rows, fused kernels and Liger are the paths that want more."""
+    w = bench_peers.Workload(student="/s", teacher="/t", gpus=2)
+    cmd = bench_peers_verl.verl_command(w, "/d.parquet", "/r.py", "/run")
+    assert cmd[:3] == [sys.executable, "-m", "verl.trainer.main_ppo"]
+    # verl's default override_config is {}: Hydra takes a key it lacks only with the `+` prefix
+    assert "+actor_rollout_ref.model.override_config.attn_implementation=sdpa" in cmd
+    args = dict(a.split("=", 1) for a in cmd[3:])
+    for key in ("use_remove_padding", "use_fused_kernels", "use_liger"):
+        assert args[f"actor_rollout_ref.model.{key}"] == "False", key
+    assert args["critic.enable"] == "False"
+    assert not [a for a in cmd if "flash" in a.lower()]
+
+
 def test_verl_with_one_gpu_and_a_missing_peer_fail_with_what_stopped_them(tmp_path):
     w = bench_peers.Workload(gpus=1)
     with pytest.raises(bench_peers.RunnerFailed, match="needs --gpus 2"):

@@ -23,6 +23,17 @@ per micro-batch: verl's dynamic batch size (`ppo_max_token_len_per_gpu`). Fixed 
 timing_s/gen, timing_s/update_actor (+ timing_s/old_log_prob where verl runs it), timing_s/update_weights,
 timing_s/step, response_length/mean, perf/max_memory_allocated_gb.
 
+Attention without the flash-attn package (the GPU machine has none): verl builds the student's HF config
+with `override_config.attn_implementation`, flash_attention_2 unless set (verl/workers/config/model.py,
+HFModelConfig.__post_init__), so the runner sets `sdpa`. The reference policy would share that model
+config but is not built (no KL loss or reward), nor is a critic (GRPO advantages; its value-head loader
+asks for flash_attention_2 whatever the config says); the teacher is a vLLM server, whose attention is
+vLLM's own. Micro-batches are padded (`use_remove_padding=False`): verl's packed rows do work with sdpa
+(transformers masks each packed sequence off from the others by its position ids), but sdpa then
+computes attention over the whole packed row: at the default 16K-token micro-batches of ~265-token
+sequences, 60x the padded batch's attention work, where fixed-length responses leave little padding.
+No fused kernels, no Liger.
+
     python tools/bench_peers_verl.py WORKLOAD.json PROMPTS.jsonl ROWS.jsonl
 """
 from __future__ import annotations
@@ -41,7 +52,10 @@ from opkd_mcore.data import read_records  # noqa: E402
 # the prompt text itself, as opkd train and TRL feed a text prompt (the character tokenizer has no template)
 RAW_TEMPLATE = "{% for message in messages %}{{ message.content }}{% endfor %}"
 NOTES = ("teacher scoring runs per sample inside generation (overlapped); train = update_actor + "
-         "old_log_prob; tokens = mean response length x samples")
+         "old_log_prob; tokens = mean response length x samples; attention: sdpa on padded micro-batches "
+         "(no flash-attn on the machine)")
+# what the machine's transformers can build without the flash-attn package
+ATTENTION = "sdpa"
 ZERO_REWARD = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     """No task reward: the run's loss is the distillation loss alone."""
     return 0.0
@@ -83,7 +97,11 @@ def verl_overrides(w: Workload, data_path: str, reward_path: str, run_dir: str) 
                 max_response_length=w.max_new_tokens, shuffle=False, filter_overlong_prompts=False,
                 truncation="error", dataloader_num_workers=0),
         *_group("actor_rollout_ref.model", path=w.student, custom_chat_template=f"'{RAW_TEMPLATE}'",
-                use_remove_padding=True, enable_gradient_checkpointing=False),
+                use_remove_padding=False, use_fused_kernels=False, use_liger=False,
+                enable_gradient_checkpointing=False),
+        # `+`: verl's default override_config is an empty dict, and Hydra adds a new key only with it
+        f"+actor_rollout_ref.model.override_config.attn_implementation={ATTENTION}",
+        "critic.enable=False",
         *_group("actor_rollout_ref.actor", strategy="fsdp", ppo_mini_batch_size=w.prompts_per_step,
                 ppo_epochs=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=tokens, use_kl_loss=False,
                 entropy_coeff=0),
@@ -109,6 +127,12 @@ def verl_overrides(w: Workload, data_path: str, reward_path: str, run_dir: str) 
                 default_local_dir=f"{run_dir}/checkpoints"),
         "trainer.v1.trainer_mode=sync",
     ]
+
+
+def verl_command(w: Workload, data_path: str, reward_path: str, run_dir: str) -> list[str]:
+    """verl's own entry point in this interpreter, with the workload's overrides."""
+    overrides = verl_overrides(w, data_path, reward_path, run_dir)
+    return [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
 
 
 def rows_from_log(w: Workload, path: str, version: str) -> list[StepRow]:
@@ -147,7 +171,7 @@ def main(argv=None) -> int:
         f.write(ZERO_REWARD)
     log_path = os.path.join(run_dir, "verl_metrics.jsonl")
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": log_path}
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_overrides(w, data_path, reward_path, run_dir)]
+    cmd = verl_command(w, data_path, reward_path, run_dir)
     print("$ " + " ".join(cmd), flush=True)
     rc = subprocess.run(cmd, env=env, cwd=run_dir).returncode
     if rc != 0:

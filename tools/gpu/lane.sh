@@ -72,6 +72,8 @@
 #   bash tools/gpu/lane.sh peers_trl      # TRL's row beside opkd train's (0.6B <- 1.7B, top-64, 1 GPU, ~6 min;
 #                                         # the peers' wheels installed first: tools/gpu/README.md): per step
 #                                         # TRL's generate calls, sequences and response tokens (its notes)
+#   bash tools/gpu/lane.sh peers_verl     # verl's row alone (0.6B <- 1.7B, top-64, 2 GPUs: trainer | teacher
+#                                         # server; verl, Ray and the peers' wheels installed first)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -502,5 +504,17 @@ case "${1:-}" in
     [ ${#metrics[@]} -gt 0 ] || exit 1
     python3 tools/gpu/step_table.py "${metrics[@]}" --gpus 4 --student /tmp/models/qwen3-8b \
         --smi "$OUT/train4_ray$t.smi" | tee "$OUT/train4_ray$t.table" ;;
+  peers_verl)  # opkd bench peers, verl alone on 2 GPUs (sdpa attention: the machine has no flash-attn);
+               # its log's tail, verl's own metrics and the step rows come back
+    python3 -c "import verl, ray" 2>/dev/null || { echo "verl or ray is not importable: install the" \
+        "peers' and Ray's wheels (tools/gpu/README.md, Against other trainers)"; exit 1; }
+    d=/tmp/peers_verl/0.6b_from_1.7b_top-64_2gpu/verl
+    python3 -m opkd_mcore.cli bench peers --runners verl --pairs 0.6b:1.7b --teacher topk:64 --gpus 2 \
+        --make-models --timeout 480 --out /tmp/peers_verl --results "$OUT/results.jsonl" "${@:2}" \
+        > "$OUT/bench_peers_verl.log" 2>&1
+    cp "$d/verl.log" "$OUT/peers_verl_run.log" 2>/dev/null
+    cp "$d/verl_metrics.jsonl" "$OUT/peers_verl_metrics.jsonl" 2>/dev/null
+    cp "$d/steps.jsonl" "$OUT/peers_verl_steps.jsonl" 2>/dev/null
+    grep -E "^\|" "$OUT/bench_peers_verl.log" || tail -40 "$OUT/bench_peers_verl.log" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
