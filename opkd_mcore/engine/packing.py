@@ -90,8 +90,9 @@ class PackedBatch:
     @property
     def seq_ids(self) -> torch.Tensor:
         """[T] int64: index of the sequence each token belongs to."""
+        # output_size: the host knows T; without it the device would be asked for the sum (a sync)
         return torch.repeat_interleave(torch.arange(self.num_sequences, device=self.tokens.device),
-                                       self.seq_lengths.to(self.tokens.device))
+                                       self.seq_lengths.to(self.tokens.device), output_size=self.num_tokens)
 
     def validate(self) -> None:
         t = self.tokens
@@ -142,9 +143,18 @@ class PackedBatch:
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
     def to(self, device) -> "PackedBatch":
-        """A copy with every tensor (teacher rows included) on `device`."""
+        """A copy with every tensor (teacher rows included) on `device`.
+
+        Host tensors bound for an accelerator go through page-locked memory: a copy from pageable
+        memory waits for the device's queue to drain before it starts (a host sync per tensor per
+        micro-batch); from pinned memory it is queued like a kernel (`non_blocking`)."""
+        device = torch.device(device)
+        pin = device.type != "cpu"
+
         def move(x):
             if isinstance(x, torch.Tensor):
+                if pin and x.device.type == "cpu" and not x.is_pinned():
+                    x = x.pin_memory()
                 return x.to(device, non_blocking=True)
             if isinstance(x, PackedBatch):
                 return x.to(device)
@@ -197,26 +207,38 @@ def pack_sequences(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[
                              f"{length}, got {p}")
     total = sum(lengths)
     tokens = torch.tensor([tok for s in sequences for tok in s], dtype=torch.int64)
-    position_ids = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
-    loss_mask = torch.zeros(total, dtype=torch.float32)
-    logprobs = None if sampler_logprobs is None else torch.zeros(total, dtype=torch.float32)
-    advantages = None if task_advantages is None else torch.zeros(total, dtype=torch.float32)
-    if task_advantages is not None and len(task_advantages) != len(sequences):
-        raise ValueError(f"task_advantages: expected {len(sequences)} values (one per sequence), "
-                         f"got {len(task_advantages)}")
-    for i, (start, n, p) in enumerate(zip(cu[:-1].tolist(), lengths, prompt_lengths)):
-        # position t predicts token t+1: positions p-1 .. n-2 predict the response tokens p .. n-1
-        loss_mask[start + p - 1:start + n - 1] = 1.0
-        if advantages is not None:
-            advantages[start + p - 1:start + n - 1] = float(task_advantages[i])
-        if logprobs is not None:
-            row = sampler_logprobs[i]
-            if len(row) != n - p:
-                raise ValueError(f"sampler_logprobs[{i}]: expected {n - p} values (one per response "
+    cu[1:] = torch.cumsum(lengths_t, 0)
+    # per token, its sequence's start and prompt length: the layout in a few tensor ops, no loop
+    # over the sequences (a step packs hundreds)
+    def per_token(values: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(values, lengths_t, output_size=total)
+
+    position_ids = torch.arange(total, dtype=torch.int64) - per_token(cu[:-1].long())
+    # position t predicts token t+1: positions p-1 .. n-2 predict the response tokens p .. n-1
+    prompts = per_token(torch.tensor(list(prompt_lengths), dtype=torch.int64))
+    response_row = (position_ids >= prompts - 1) & (position_ids < per_token(lengths_t) - 1)
+    loss_mask = response_row.float()
+    response_lengths = [n - p for n, p in zip(lengths, prompt_lengths)]
+    advantages = None
+    if task_advantages is not None:
+        if len(task_advantages) != len(sequences):
+            raise ValueError(f"task_advantages: expected {len(sequences)} values (one per sequence), "
+                             f"got {len(task_advantages)}")
+        advantages = torch.zeros(total, dtype=torch.float32)
+        # the response rows, in order, are those of sequence 0, then 1, ...
+        advantages[response_row] = torch.repeat_interleave(
+            torch.tensor([float(a) for a in task_advantages], dtype=torch.float32),
+            torch.tensor(response_lengths, dtype=torch.int64))
+    logprobs = None
+    if sampler_logprobs is not None:
+        for i, (row, n) in enumerate(zip(sampler_logprobs, response_lengths)):
+            if len(row) != n:
+                raise ValueError(f"sampler_logprobs[{i}]: expected {n} values (one per response "
                                  f"token), got {len(row)}")
-            logprobs[start + p - 1:start + n - 1] = torch.tensor(row, dtype=torch.float32)
+        logprobs = torch.zeros(total, dtype=torch.float32)
+        logprobs[response_row] = torch.tensor([v for row in sampler_logprobs for v in row], dtype=torch.float32)
     return PackedBatch(tokens=tokens, position_ids=position_ids, cu_seqlens=cu, loss_mask=loss_mask,
                        teacher=teacher, sampler_logprobs=logprobs, sequence_weights=sequence_weights,
                        task_advantages=advantages)
