@@ -377,9 +377,9 @@ class MegatronEngine:
         invalid = metrics.pop(INVALID_ROWS, 0.0)
         if invalid > 0:
             raise MalformedTeacherOutputError(
-                f"teacher top-k rows: {invalid:.3g} of the step's response tokens (fraction) have ids outside "
-                f"[0, {self.padded_vocab_size or 'V'}) other than the padding {PAD_ID}, NaN logprobs or an id "
-                "twice in a row; no update applied")
+                f"teacher top-k rows: {invalid:.3g} of the step's response tokens (fraction) have ids "
+                f"outside [0, {self.padded_vocab_size or 'V'}) other than the padding {PAD_ID}, NaN "
+                "logprobs or an id twice in a row; no update applied")
         if metrics.get("teacher/nonfinite_rows", 0.0) > 0:
             raise MalformedTeacherOutputError(
                 f"teacher {self.teacher.name}: NaN in its logits for {metrics['teacher/nonfinite_rows']:.3g} "

@@ -238,7 +238,8 @@ def pack_sequences(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[
                 raise ValueError(f"sampler_logprobs[{i}]: expected {n} values (one per response "
                                  f"token), got {len(row)}")
         logprobs = torch.zeros(total, dtype=torch.float32)
-        logprobs[response_row] = torch.tensor([v for row in sampler_logprobs for v in row], dtype=torch.float32)
+        flat = [v for row in sampler_logprobs for v in row]
+        logprobs[response_row] = torch.tensor(flat, dtype=torch.float32)
     return PackedBatch(tokens=tokens, position_ids=position_ids, cu_seqlens=cu, loss_mask=loss_mask,
                        teacher=teacher, sampler_logprobs=logprobs, sequence_weights=sequence_weights,
                        task_advantages=advantages)

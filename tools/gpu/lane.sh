@@ -72,6 +72,9 @@
 #   bash tools/gpu/lane.sh peers_trl      # TRL's row beside opkd train's (0.6B <- 1.7B, top-64, 1 GPU, ~6 min;
 #                                         # the peers' wheels installed first: tools/gpu/README.md): per step
 #                                         # TRL's generate calls, sequences and response tokens (its notes)
+#   bash tools/gpu/lane.sh train_stage    # the product's train stage alone against the engine's packed step
+#                                         # on the same tokens (0.6B, 128 x <=256 + prompts, top-64, 16K per
+#                                         # micro-batch; 1 GPU, makes the model), then profiler tables of both
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -502,5 +505,12 @@ case "${1:-}" in
     [ ${#metrics[@]} -gt 0 ] || exit 1
     python3 tools/gpu/step_table.py "${metrics[@]}" --gpus 4 --student /tmp/models/qwen3-8b \
         --smi "$OUT/train4_ray$t.smi" | tee "$OUT/train4_ray$t.table" ;;
+  train_stage)  # train_stage on fresh / the same samples vs engine.train_step on the same micro-batches
+    [ -f /tmp/models/qwen3-0.6b/config.json ] || python3 tools/make_model.py --shape qwen3-0.6b \
+        --out /tmp/models/qwen3-0.6b --seed 1 --device cuda > "$OUT/train_stage_model.log" 2>&1
+    python3 tools/bench_train_stage.py --model /tmp/models/qwen3-0.6b --profile \
+        --results "$OUT/results.jsonl" > "$OUT/train_stage.log" 2>&1 \
+        || { tail -n 40 "$OUT/train_stage.log"; exit 1; }
+    grep -B1 -A5 "^| row " "$OUT/train_stage.log" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
