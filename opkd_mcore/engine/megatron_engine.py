@@ -47,7 +47,13 @@ from opkd_mcore.engine.packing import PackedBatch, pad_for_pipeline
 from opkd_mcore.engine.response_pairing import gather_rows
 from opkd_mcore.engine.teacher_in_step import PairedChunk, paired_chunks, unpair
 from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher
-from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, MalformedTeacherOutputError
+from opkd_mcore.losses.teacher_outputs import (
+    INVALID_ROWS,
+    PAD_ID,
+    DenseTeacher,
+    HiddenTeacher,
+    MalformedTeacherOutputError,
+)
 from opkd_mcore.models.builder import layout_of
 
 logger = logging.getLogger(__name__)
@@ -229,7 +235,10 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             batch, model_input = next(data_iterator)
-            batch, model_input = batch.to(self.device), model_input.to(self.device)
+            # the model reads the batch itself unless it was padded: one copy of each tensor, not two
+            on_device = batch.to(self.device)
+            model_input = on_device if model_input is batch else model_input.to(self.device)
+            batch = on_device
             output = self._run_model(model, model_input, hidden=fused_head)
             if isinstance(output, tuple):  # last stage of a step with the teacher in it
                 output, teacher_out = output
@@ -365,6 +374,12 @@ class MegatronEngine:
         metrics = self._reduce_metrics(per_micro_batch)
         if self.moe_stats is not None:
             metrics.update(self.moe_stats.end_step())
+        invalid = metrics.pop(INVALID_ROWS, 0.0)
+        if invalid > 0:
+            raise MalformedTeacherOutputError(
+                f"teacher top-k rows: {invalid:.3g} of the step's response tokens (fraction) have ids "
+                f"outside [0, {self.padded_vocab_size or 'V'}) other than the padding {PAD_ID}, NaN "
+                "logprobs or an id twice in a row; no update applied")
         if metrics.get("teacher/nonfinite_rows", 0.0) > 0:
             raise MalformedTeacherOutputError(
                 f"teacher {self.teacher.name}: NaN in its logits for {metrics['teacher/nonfinite_rows']:.3g} "

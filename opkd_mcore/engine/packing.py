@@ -90,8 +90,9 @@ class PackedBatch:
     @property
     def seq_ids(self) -> torch.Tensor:
         """[T] int64: index of the sequence each token belongs to."""
+        # output_size: the host knows T; without it the device would be asked for the sum (a sync)
         return torch.repeat_interleave(torch.arange(self.num_sequences, device=self.tokens.device),
-                                       self.seq_lengths.to(self.tokens.device))
+                                       self.seq_lengths.to(self.tokens.device), output_size=self.num_tokens)
 
     def validate(self) -> None:
         t = self.tokens
@@ -142,9 +143,18 @@ class PackedBatch:
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
     def to(self, device) -> "PackedBatch":
-        """A copy with every tensor (teacher rows included) on `device`."""
+        """A copy with every tensor (teacher rows included) on `device`.
+
+        Host tensors bound for an accelerator go through page-locked memory: a copy from pageable
+        memory waits for the device's queue to drain before it starts (a host sync per tensor per
+        micro-batch); from pinned memory it is queued like a kernel (`non_blocking`)."""
+        device = torch.device(device)
+        pin = device.type != "cpu"
+
         def move(x):
             if isinstance(x, torch.Tensor):
+                if pin and x.device.type == "cpu" and not x.is_pinned():
+                    x = x.pin_memory()
                 return x.to(device, non_blocking=True)
             if isinstance(x, PackedBatch):
                 return x.to(device)

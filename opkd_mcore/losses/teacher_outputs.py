@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import torch
 
 PAD_ID = -1
+# the step metric counting top-k rows with impossible contents (`validation.invalid_topk_rows`): the
+# loss adds it up without a host sync, the engine refuses the update when it is not 0
+INVALID_ROWS = "teacher/invalid_rows"
 
 
 class MalformedTeacherOutputError(ValueError):

@@ -3,6 +3,8 @@
 `objective_spec`, `check_options` and `check_shapes` look only at Python values and tensor
 metadata (no host sync). `check_values` reads tensor contents (NaN, id range, duplicate ids): it
 costs extra passes and one host sync each, which is why `kd_loss(validate=False)` skips it.
+`invalid_topk_rows` checks the same contents without a sync: a per-row flag the trainer adds up
+over the step and reads once, after the last backward.
 """
 from __future__ import annotations
 
@@ -121,6 +123,17 @@ def check_values(teacher, *, vocab: int) -> None:
         row = _first_bad_row(dup)
         raise ValueError(f"teacher.ids: expected distinct ids in a row, row {row} has duplicates: "
                          f"{ids[row].tolist()}")
+
+
+def invalid_topk_rows(teacher: TopKTeacher, *, vocab: int) -> torch.Tensor:
+    """`[N]` float, 1 for a row `check_values` would reject (an id outside [0, V) other than the
+    padding, a NaN logprob, an id twice), else 0: tensor ops on the rows' device, no host sync."""
+    ids, logprobs = teacher.ids, teacher.logprobs
+    valid = ids != PAD_ID
+    bad = (valid & ((ids < 0) | (ids >= vocab))).any(1) | torch.isnan(logprobs).any(1)
+    sorted_ids = torch.sort(torch.where(valid, ids, -1 - torch.arange(ids.shape[1], device=ids.device)),
+                            dim=1).values
+    return (bad | (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(1)).float()
 
 
 def _first_bad_row(mask) -> int:

@@ -34,6 +34,8 @@ from opkd_mcore.losses import (
 from opkd_mcore.losses import vocab_parallel as vp
 from opkd_mcore.losses.fused_linear import hidden_teacher_logits
 from opkd_mcore.losses.plan import LossPlan
+from opkd_mcore.losses.teacher_outputs import INVALID_ROWS
+from opkd_mcore.losses.validation import invalid_topk_rows
 
 
 @dataclass
@@ -119,8 +121,10 @@ def _fused_head_kd(head: LmHeadInput, batch, plan: LossPlan, tp_group, row_weigh
         # served rows arrive in bf16; the kernels take one operand dtype (the student's)
         teacher = HiddenTeacher(teacher.hidden.to(head.hidden.dtype), teacher.weight.to(head.hidden.dtype),
                                 teacher.vocab_size)
+    # validate=False: the rows' contents are checked by `_topk_checks` without a host sync (the row
+    # weights are finite by construction: the sequence weights are checked on the host)
     kd = {**plan.kd_kwargs(), "tp_group": tp_group, "impl": plan.lm_head_kernels,
-          "validate": isinstance(teacher, TopKTeacher), "vocab_end": head.vocab_size}
+          "validate": False, "vocab_end": head.vocab_size}
     scalar = None
     if row_weights is not None:
         scalar, per_token, stats = linear_kd_loss_weighted(head.hidden, head.weight, teacher, row_weights,
@@ -129,7 +133,8 @@ def _fused_head_kd(head: LmHeadInput, batch, plan: LossPlan, tp_group, row_weigh
         per_token, stats = linear_kd_loss_with_stats(head.hidden, head.weight, teacher,
                                                      engine=plan.linear_engine, **kd)
     metrics = {"kd/teacher_mass_on_support": stats.teacher_mass,
-               "kd/student_mass_on_support": stats.student_mass}
+               "kd/student_mass_on_support": stats.student_mass,
+               **_topk_checks(teacher, head.weight.shape[0], tp_group)}
     if isinstance(teacher, HiddenTeacher):  # dense teacher: agreement and NaN rows from the stats pass
         metrics["teacher/top1_agreement"] = (stats.teacher_top1 == _next_tokens(batch)).float()
         metrics["teacher/nonfinite_rows"] = torch.isnan(stats.lse[:, 1]).float()
@@ -139,17 +144,28 @@ def _fused_head_kd(head: LmHeadInput, batch, plan: LossPlan, tp_group, row_weigh
 def _distribution_kd(logits, batch, plan: LossPlan, tp_group):
     per_token, stats = kd_loss_with_stats(
         logits, batch.teacher, **plan.kd_kwargs(), tp_group=tp_group, impl=plan.kd_impl,
-        # top-k rows are cheap to check here; dense rows were checked where they were made
+        # top-k rows: `_topk_checks` without a host sync; dense rows were checked where they were made
         # (a NaN scan of [N, V] logits would cost a full-size mask)
-        validate=not isinstance(batch.teacher, DenseTeacher))
+        validate=False)
     metrics = {"kd/teacher_mass_on_support": stats.teacher_mass,
-               "kd/student_mass_on_support": stats.student_mass}
+               "kd/student_mass_on_support": stats.student_mass,
+               **_topk_checks(batch.teacher, logits.shape[1], tp_group)}
     if stats.topk_overlap is not None:
         metrics["kd/topk_overlap"] = stats.topk_overlap
     if isinstance(batch.teacher, DenseTeacher):  # scored inside the step: agreement measured here
         metrics["teacher/top1_agreement"] = _top1_agreement(batch.teacher.logits, batch, tp_group)
         metrics["teacher/nonfinite_rows"] = _nonfinite_rows(batch.teacher.logits, tp_group)
     return per_token, metrics
+
+
+@torch.no_grad()
+def _topk_checks(teacher, v_local: int, tp_group) -> dict[str, torch.Tensor]:
+    """For top-k rows, `teacher/invalid_rows`: 1 per row the loss's value checks would reject (ids out
+    of range, NaN, an id twice). A check that raised here would make the host wait for the device
+    in every micro-batch; the engine reads the step's sum once and refuses the update."""
+    if not isinstance(teacher, TopKTeacher):
+        return {}
+    return {INVALID_ROWS: invalid_topk_rows(teacher, vocab=v_local * vp.group_size(tp_group))}
 
 
 def _cross_tokenizer_kd(logits, batch, plan: LossPlan, tp_group):

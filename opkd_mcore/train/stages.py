@@ -144,11 +144,6 @@ def _pad_teacher_rows(out, shard: "ShardLayout"):
     if isinstance(out, HiddenTeacher):  # hidden states: this rank's shard of the teacher's output weight
         hidden = torch.cat([out.hidden, out.hidden.new_zeros(1, out.hidden.shape[1])])
         return HiddenTeacher(hidden=hidden, weight=shard.teacher_weight, vocab_size=shard.teacher_vocab)
-    if isinstance(out, TopKTeacher):
-        ids = torch.cat([out.ids, torch.full((1, out.ids.shape[1]), PAD_ID, dtype=out.ids.dtype)])
-        lps = torch.cat([out.logprobs, torch.full((1, out.ids.shape[1]), -math.inf,
-                                                  dtype=out.logprobs.dtype)])
-        return TopKTeacher(ids=ids, logprobs=lps)
     logits = out.logits.float()
     if logits.shape[1] != shard.vocab_local:  # a full-vocabulary teacher: pad the vocabulary, take our shard
         keep = min(logits.shape[1], shard.vocab_size or shard.padded_vocab)
@@ -158,20 +153,35 @@ def _pad_teacher_rows(out, shard: "ShardLayout"):
     return DenseTeacher(logits=torch.cat([logits, torch.zeros(1, logits.shape[1])]))
 
 
-def _concat_teacher(rows: list):
+def _micro_batch_teacher(rows: list, shard: "ShardLayout"):
+    """The samples' teacher rows as one micro-batch's, each sample's followed by its padding row."""
+    if isinstance(rows[0], TopKTeacher):
+        return _concat_topk_rows(rows)
+    rows = [_pad_teacher_rows(r, shard) for r in rows]
     if rows[0] is None:
         return None
     if isinstance(rows[0], CrossTokenizerTeacher):
         return concat_cross_teachers(rows)
     if isinstance(rows[0], HiddenTeacher):
         return HiddenTeacher(torch.cat([r.hidden for r in rows]), rows[0].weight, rows[0].vocab_size)
-    if isinstance(rows[0], TopKTeacher):
-        width = max(r.ids.shape[1] for r in rows)
-        ids = [torch.nn.functional.pad(r.ids, (0, width - r.ids.shape[1]), value=PAD_ID) for r in rows]
-        lps = [torch.nn.functional.pad(r.logprobs, (0, width - r.ids.shape[1]), value=-math.inf)
-               for r in rows]
-        return TopKTeacher(ids=torch.cat(ids), logprobs=torch.cat(lps))
     return DenseTeacher(logits=torch.cat([r.logits for r in rows]))
+
+
+def _concat_topk_rows(rows: list[TopKTeacher]) -> TopKTeacher:
+    """Top-k rows of the samples in one allocation: each sample's rows, then one padding row (ids -1,
+    logprobs -inf) for its last position; narrower rows padded to the widest k. Each value is copied
+    once (padding every sample's rows first, then concatenating, copied the step's rows twice)."""
+    width = max(r.ids.shape[1] for r in rows)
+    total = sum(r.ids.shape[0] + 1 for r in rows)
+    ids = torch.full((total, width), PAD_ID, dtype=rows[0].ids.dtype)
+    lps = torch.full((total, width), -math.inf, dtype=rows[0].logprobs.dtype)
+    start = 0
+    for r in rows:
+        n, k = r.ids.shape
+        ids[start:start + n, :k] = r.ids
+        lps[start:start + n, :k] = r.logprobs
+        start += n + 1
+    return TopKTeacher(ids=ids, logprobs=lps)
 
 
 @dataclass
@@ -224,11 +234,11 @@ def pack_micro_batches(scored: ScoredBatch, par: ParallelSection, shard: ShardLa
     batches = []
     for idx in groups:
         samples = [scored.samples[i] for i in idx]
-        rows = [_pad_teacher_rows(scored.teacher[i], shard) for i in idx]
+        rows = [scored.teacher[i] for i in idx]
         advantages = scored.task_advantages
         batch = pack_sequences(
             [s.sequence for s in samples], [len(s.prompt_ids) for s in samples],
-            sampler_logprobs=_sampler_logprobs(samples), teacher=_concat_teacher(rows),
+            sampler_logprobs=_sampler_logprobs(samples), teacher=_micro_batch_teacher(rows, shard),
             sequence_weights=None if seq_weights is None else seq_weights[idx],
             task_advantages=None if advantages is None else [advantages[i] for i in idx])
         own = in_step_teacher_packing(samples, rows)
@@ -274,6 +284,9 @@ def train_stage(engine: MegatronEngine, scored: ScoredBatch, plan: LossPlan, par
     weights = confidence_weights(scored, plan.loss.confidence_alpha)
     if sequence_weights is not None:
         weights = sequence_weights if weights is None else weights * sequence_weights
+    # checked here, on the host: the loss takes them as finite (a check there would sync per micro-batch)
+    if weights is not None and not bool(torch.isfinite(weights).all()):
+        raise ValueError(f"sequence_weights: expected finite values (one per sample), got {weights.tolist()}")
     micro_batches, counts = pack_micro_batches(scored, par, shard, weights)
     packed = time.perf_counter()
     metrics = engine.train_step(micro_batches, make_loss_fn(plan, counts, tp_group),

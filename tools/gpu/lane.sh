@@ -74,6 +74,9 @@
 #                                         # TRL's generate calls, sequences and response tokens (its notes)
 #   bash tools/gpu/lane.sh peers_verl     # verl's row alone (0.6B <- 1.7B, top-64, 2 GPUs: trainer | teacher
 #                                         # server; verl, Ray and the peers' wheels installed first)
+#   bash tools/gpu/lane.sh train_stage    # the product's train stage alone against the engine's packed step
+#                                         # on the same tokens (0.6B, 128 x <=256 + prompts, top-64, 16K per
+#                                         # micro-batch; 1 GPU, makes the model), then profiler tables of both
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -516,5 +519,12 @@ case "${1:-}" in
     cp "$d/verl_metrics.jsonl" "$OUT/peers_verl_metrics.jsonl" 2>/dev/null
     cp "$d/steps.jsonl" "$OUT/peers_verl_steps.jsonl" 2>/dev/null
     grep -E "^\|" "$OUT/bench_peers_verl.log" || tail -40 "$OUT/bench_peers_verl.log" ;;
+  train_stage)  # train_stage on fresh / the same samples vs engine.train_step on the same micro-batches
+    [ -f /tmp/models/qwen3-0.6b/config.json ] || python3 tools/make_model.py --shape qwen3-0.6b \
+        --out /tmp/models/qwen3-0.6b --seed 1 --device cuda > "$OUT/train_stage_model.log" 2>&1
+    python3 tools/bench_train_stage.py --model /tmp/models/qwen3-0.6b --profile \
+        --results "$OUT/results.jsonl" > "$OUT/train_stage.log" 2>&1 \
+        || { tail -n 40 "$OUT/train_stage.log"; exit 1; }
+    grep -B1 -A5 "^| row " "$OUT/train_stage.log" ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -1,0 +1,182 @@
+"""The product's train stage against the engine's packed step on the same tokens (one GPU).
+
+`opkd train`'s step spends `timing/train` in `train/stages.py: train_stage`: the samples' teacher
+rows padded and packed into micro-batches by token budget, then `MegatronEngine.train_step`. This
+tool takes a step's worth of samples shaped like the GPU lane's run (`--seqs` sequences of a short
+prompt and up to `--response` tokens, top-`--k` teacher rows on the host, as the vLLM teacher hands
+them over, `--max-tokens` per micro-batch) on a student loaded from `--model`, and times, a row each:
+
+* `stage_fresh`: `train_stage` on new samples every step (new lengths: what the product sees);
+* `stage_same`: `train_stage` on the same samples every step (the packing, fixed shapes);
+* `engine`: `engine.train_step` on the same micro-batches, packed once (the engine's own step).
+
+`stage_fresh - stage_same` is what new shapes cost (attention plans, allocator), `stage_same - engine`
+the host's packing and copies. Beside each row: host syncs are not counted here (the CPU test
+`tests/test_train_stage_syncs.py` does), but the caching allocator's device mallocs and retries and
+Python's garbage collections during the timed steps are. `--profile` prints a torch profiler table
+(CPU and CUDA time by op, top 25) of two steps of `stage_fresh` and of `engine`.
+
+    python tools/bench_train_stage.py --model /tmp/models/qwen3-0.6b --profile --results results.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, beside this file
+
+from bench_common import add_results_argument, record, run_metadata  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="/tmp/models/qwen3-0.6b", help="HF checkpoint of the student")
+    p.add_argument("--seqs", type=int, default=128, help="sequences per step (the lane: 32 prompts x 4)")
+    p.add_argument("--response", type=int, default=256, help="longest response (responses: 75-100%% of it)")
+    p.add_argument("--k", type=int, default=64, help="teacher top-k width")
+    p.add_argument("--max-tokens", type=int, default=16384, help="parallel.max_tokens_per_micro_batch")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per row (after one warm-up step)")
+    p.add_argument("--profile", action="store_true", help="torch profiler tables of stage_fresh and engine")
+    add_results_argument(p)
+    return p.parse_args(argv)
+
+
+def scored_batch(seed: int, args, vocab: int):
+    """A step of samples: prompts of 16-23 tokens, responses of 75-100% of `--response`, top-k rows
+    (distinct ids, log-softmax values) on the host in the teacher's dtypes (int64, float32)."""
+    from opkd_mcore.losses import TopKTeacher
+    from opkd_mcore.rollout import Sample
+    from opkd_mcore.train.stages import ScoredBatch
+
+    g = torch.Generator().manual_seed(seed)
+    samples, rows = [], []
+    for i in range(args.seqs):
+        prompt = torch.randint(3, vocab, (16 + int(torch.randint(0, 8, (1,), generator=g)),), generator=g)
+        n = int(torch.randint(args.response * 3 // 4, args.response + 1, (1,), generator=g))
+        response = torch.randint(3, vocab, (n,), generator=g)
+        samples.append(Sample(prompt_ids=prompt.tolist(), response_ids=response.tolist(),
+                              response_logprobs=None, finish_reason="length", weight_version=0,
+                              group_id=i // 4))
+        logits = torch.randn(len(prompt) + n - 1, vocab, device="cuda")
+        lp, ids = torch.log_softmax(logits, -1).topk(args.k, -1)
+        rows.append(TopKTeacher(ids=ids.cpu(), logprobs=lp.cpu()))
+    return ScoredBatch(samples=samples, teacher=rows)
+
+
+class _GcClock:
+    """Python garbage collections (count, seconds) while it is on."""
+
+    def __init__(self):
+        self.count, self.seconds, self._start = 0, 0.0, 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def timed(name: str, step, steps: int) -> dict:
+    """One warm-up call of `step(i)`, then `steps` timed ones (device drained around each)."""
+    step(-1)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    samples = []
+    with _GcClock() as clock:
+        for i in range(steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step(i)
+            torch.cuda.synchronize()
+            samples.append(time.perf_counter() - start)
+    after = torch.cuda.memory_stats()
+    samples.sort()
+    return {"row": name, "p50_s": round(samples[len(samples) // 2], 4), "min_s": round(samples[0], 4),
+            "max_s": round(samples[-1], 4),
+            "device_mallocs": after["num_device_alloc"] - before["num_device_alloc"],
+            "alloc_retries": after["num_alloc_retries"] - before["num_alloc_retries"], "gc_runs": clock.count,
+            "gc_s": round(clock.seconds, 4)}
+
+
+def profile_table(name: str, step) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(2):
+            step(100 + i)
+        torch.cuda.synchronize()
+    print(f"\n## torch profiler: {name}, 2 steps, top 25 by CPU time (self)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(f"\n## torch profiler: {name}, 2 steps, top 25 by CUDA time")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron.core import parallel_state as ps
+
+    from opkd_mcore.config import LossSection, ParallelSection
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.losses.plan import resolve_loss_plan
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.train.components import build_student, shard_layout
+    from opkd_mcore.train.objective import make_loss_fn
+    from opkd_mcore.train.stages import pack_micro_batches, train_stage
+
+    init_parallel(ParallelConfig())
+    engine, _ = build_student(args.model, OptimSection(lr=1e-5, clip_grad=1.0), params_dtype="bfloat16")
+    vocab = engine.vocab_size
+    plan = resolve_loss_plan(LossSection(support="teacher"), device=engine.device, dtype=engine.params_dtype,
+                             teacher_kind="topk")
+    par = ParallelSection(micro_batch_size=16, global_batch_size=args.seqs,
+                          max_tokens_per_micro_batch=args.max_tokens)
+    shard, group = shard_layout(engine), ps.get_tensor_model_parallel_group()
+    # the warm-up step, the timed ones, then two the profiler sees first (new shapes there too)
+    fresh = [scored_batch(s, args, vocab) for s in range(args.steps + 3)]
+    same = fresh[0]
+    batches, counts = pack_micro_batches(same, par, shard)
+    loss_fn = make_loss_fn(plan, counts, group)
+
+    def stage_fresh(i):
+        train_stage(engine, fresh[i + 1 if i < 100 else args.steps + 1 + i - 100], plan, par, shard, group)
+
+    def stage_same(i):
+        train_stage(engine, same, plan, par, shard, group)
+
+    def engine_step(i):
+        engine.train_step(batches, loss_fn, fused_lm_head=plan.fused_lm_head)
+
+    rows = [timed("stage_fresh", stage_fresh, args.steps), timed("stage_same", stage_same, args.steps),
+            timed("engine", engine_step, args.steps)]
+    for r in rows:
+        r["vs_engine"] = round(r["p50_s"] / rows[-1]["p50_s"], 3)
+    tokens = sum(b.num_tokens for b in batches)
+    meta = run_metadata(device=torch.cuda.get_device_name(), seqs=args.seqs, response=args.response,
+                        k=args.k, max_tokens=args.max_tokens, tokens=tokens, micro_batches=len(batches),
+                        plan=plan.describe())
+    print(f"{tokens} tokens in {len(batches)} micro-batches ({[b.num_tokens for b in batches]}), "
+          f"{plan.describe()}")
+    record(args.results, meta, rows)
+    if args.profile:
+        profile_table("stage_fresh", stage_fresh)
+        profile_table("engine", engine_step)
+    destroy_parallel(destroy_process_group=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
