@@ -11,7 +11,8 @@ Checked against independent references: the losses and gradient norms of every s
 HF model trained in float64 with `torch.optim.AdamW` (the reference of the EP=2 train tests, same
 tolerances), the weights exported after the steps against the ETP=1 run's export, and the export
 right after loading against the checkpoint's bytes (so the loader's per-ETP-rank slices and the
-export's gather over ETP are each other's inverse).
+export's gather over ETP are each other's inverse). Then `parallel.etp` in the product's config:
+`opkd train --check` passes at etp=2 and the layouts that cannot work are config errors naming it.
 """
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ import os
 
 import pytest
 import torch
+import yaml
 
+from opkd_mcore import launch
+from opkd_mcore.config import ConfigError, load_config
 from tests._dist import run_distributed
+from tests._hf_config import hf_checkpoint
 from tests.test_engine import CLIP, LR, STEPS, _ce_loss_fn, _global_loss_tokens, _my_micro_batches
 from tests.test_models_moe_train import _check_steps, hf_reference
 
@@ -131,3 +136,47 @@ def test_etp_export_after_steps_matches_etp1(trained, hf_dir, name):
         for hf_name, tensor in got.items():
             torch.testing.assert_close(tensor, expected[hf_name], rtol=1e-4, atol=WEIGHT_ATOL,
                                        msg=lambda m, n=hf_name: f"{n}: {m}")
+
+
+# ----------------------------------------------------------------------------- config
+@pytest.fixture
+def etp_config(tmp_path, monkeypatch):
+    """A run of a weightless tiny Qwen3-MoE student (8 experts of FFN 64) on 2 ranks at etp=2."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tree = {"model": {"student": hf_checkpoint(tmp_path, "moe", family="qwen3_moe")},
+            "parallel": {"etp": 2, "world_size": 2, "micro_batch_size": 2, "global_batch_size": 8},
+            "loss": {"support": "teacher"},
+            "rollout": {"prompts_per_step": 4, "n": 2},
+            "teacher": {"teachers": [{"backend": "vllm", "model": hf_checkpoint(tmp_path, "teacher"),
+                                      "top_k": 8}]},
+            "run": {"output_dir": str(tmp_path / "run")}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return str(path), hf_checkpoint(tmp_path, "dense")
+
+
+def test_opkd_train_check_passes_at_etp2(etp_config, capsys):
+    path, _ = etp_config
+    assert launch.main(["--check", "--config", path]) == 0, capsys.readouterr().err
+    assert yaml.safe_load(capsys.readouterr().out)["parallel"]["etp"] == 2
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel.etp=3", "parallel.world_size=3", "parallel.global_batch_size=6", "rollout.n=3",
+      "rollout.prompts_per_step=2"], "3 does not divide the student's expert FFN size 64"),
+    (["parallel.etp=4", "parallel.world_size=2"], "etp*ep*pp = 4*1*1 = 4 does not divide the world size 2"),
+    (["parallel.etp=2", "parallel.ep=2", "parallel.world_size=2"],
+     "etp*ep*pp = 2*2*1 = 4 does not divide the world size 2"),
+    (["parallel.etp=0"], "> 0"),
+])
+def test_bad_etp_is_a_config_error_naming_it(etp_config, overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(etp_config[0], overrides)
+    assert str(err.value).startswith("parallel.etp: ") and fragment in str(err.value), str(err.value)
+
+
+def test_etp_on_a_dense_student_is_a_config_error_naming_it(etp_config):
+    path, dense = etp_config
+    with pytest.raises(ConfigError) as err:
+        load_config(path, [f"model.student={dense}"])
+    assert str(err.value).startswith("parallel.etp: ") and "has no experts" in str(err.value), str(err.value)
