@@ -164,9 +164,9 @@ def test_opkd_train_check_passes_at_etp2(etp_config, capsys):
 @pytest.mark.parametrize("overrides, fragment", [
     (["parallel.etp=3", "parallel.world_size=3", "parallel.global_batch_size=6", "rollout.n=3",
       "rollout.prompts_per_step=2"], "3 does not divide the student's expert FFN size 64"),
-    (["parallel.etp=4", "parallel.world_size=2"], "etp*ep*pp = 4*1*1 = 4 does not divide the world size 2"),
+    (["parallel.etp=4", "parallel.world_size=2"], "etp*ep*pp = 4 does not divide the world size 2 (etp=4, ep=1"),
     (["parallel.etp=2", "parallel.ep=2", "parallel.world_size=2"],
-     "etp*ep*pp = 2*2*1 = 4 does not divide the world size 2"),
+     "etp*ep*pp = 4 does not divide the world size 2 (etp=2, ep=2"),
     (["parallel.etp=0"], "> 0"),
 ])
 def test_bad_etp_is_a_config_error_naming_it(etp_config, overrides, fragment):

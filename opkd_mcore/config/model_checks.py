@@ -191,9 +191,9 @@ def check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
     expert_parallel = (par.etp or par.tp) * par.ep * par.pp
     if world % expert_parallel:
         key = "parallel.etp" if par.etp not in (None, par.tp) else "parallel.ep"
-        raise ConfigError(f"{key}: etp*ep*pp = {par.etp or par.tp}*{par.ep}*{par.pp} = {expert_parallel} "
-                          f"does not divide the world size {world} (Megatron lays the experts out over "
-                          "the same ranks)")
+        raise ConfigError(f"{key}: etp*ep*pp = {expert_parallel} does not divide the world size {world} "
+                          f"(etp={par.etp or par.tp}, ep={par.ep}, pp={par.pp}; Megatron lays the experts "
+                          "out over the same ranks)")
     dp = world // model_parallel
     if par.max_tokens_per_micro_batch is not None:
         positive("parallel.max_tokens_per_micro_batch", par.max_tokens_per_micro_batch)
