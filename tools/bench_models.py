@@ -11,11 +11,12 @@ the run's metadata, tools/bench_common.py).
 
 `--moe`: a Qwen3-30B-A3B-shaped MoE student (hidden 2048, 32 heads / 4 KV heads of dim 128, 128
 experts of FFN 768, top-8, vocab 151936) with fewer layers (`--layers`, default 8), its experts
-split over `--ep` ranks (default: the world size), trained by `MegatronEngine` for real: DDP,
-Adam with fp32 main params, the router load-balancing loss (`--aux-coef`), and a forward-KL loss
-through `kd_loss` (fused kernels where built) against a fixed random dense teacher. Reports step
-time, tokens/s over all ranks, peak memory and the router metrics of the last step, for each
-experts implementation of `--moe-experts` (side by side in one table):
+split over `--ep` ranks (default: the world size / `--etp`; `--etp N` splits each expert's FFN over
+N ranks), trained by `MegatronEngine` for real: DDP, Adam with fp32 main params, the router
+load-balancing loss (`--aux-coef`), and a forward-KL loss through `kd_loss` (fused kernels where
+built) against a fixed random dense teacher. Reports step time, tokens/s over all ranks, peak memory
+and the router metrics of the last step, for each experts implementation of `--moe-experts` (side by
+side in one table):
 
     torchrun --nproc-per-node 2 tools/bench_models.py --moe --layers 8 --seq 4096 --out moe.json \
         --moe-experts sequential,torch_grouped,te_grouped
@@ -55,7 +56,11 @@ def parse_args():
     p.add_argument("--out", default=None, help="JSON output path (rank 0)")
     add_results_argument(p)
     p.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B-shaped MoE student (see above)")
-    p.add_argument("--ep", type=int, default=None, help="--moe: expert-parallel size (default: world size)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="--moe: expert-parallel size (default: world size / --etp)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="--moe: expert tensor-parallel size, each expert's FFN split over it (parallel.etp; "
+                        "default: --tp)")
     p.add_argument("--experts", type=int, default=128, help="--moe: routed experts")
     p.add_argument("--topk", type=int, default=8, help="--moe: experts per token")
     p.add_argument("--moe-ffn", type=int, default=768, help="--moe: FFN size of one expert")

@@ -60,8 +60,8 @@ def run_moe(args) -> None:
     from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ep = args.ep or world
-    init_parallel(ParallelConfig(tp=args.tp or 1, ep=ep))
+    ep = args.ep or world // (args.etp or args.tp or 1)
+    init_parallel(ParallelConfig(tp=args.tp or 1, ep=ep, etp=args.etp))
     rows = []
     for impl in [s.strip() for s in args.moe_experts.split(",") if s.strip()]:
         try:
@@ -136,7 +136,8 @@ def _run_one(args, ep: int, moe_experts: str) -> dict:
     return dict(
         device=torch.cuda.get_device_name() if on_gpu else "cpu", world_size=dist.get_world_size(),
         moe_experts=moe_experts, experts_module=experts_module,
-        tp=args.tp or 1, ep=ep, experts=args.experts, topk=args.topk, layers=args.layers,
+        tp=args.tp or 1, ep=ep, etp=args.etp or args.tp or 1,
+        experts=args.experts, topk=args.topk, layers=args.layers,
         params_billion=round(num_params / 1e9, 3), params_per_rank_billion=round(local_params / 1e9, 3),
         seq=args.seq, micro_batches_per_rank=args.micro_batch, tokens_per_rank=args.seq * args.micro_batch,
         tokens_per_step=tokens, optimizer=optimizer_name(args),

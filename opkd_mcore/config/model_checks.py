@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 # Shapes of public checkpoints the recipes name (from their config.json), used when the path is a
 # hub id rather than a local directory. Fields: heads, kv_heads, layers, vocab, max_positions
-# (max_position_embeddings: the longest sequence the model is built for).
+# (max_position_embeddings: the longest sequence the model is built for); an MoE model's experts
+# (routed experts) and expert_ffn (each expert's FFN size, which expert TP splits).
 _QWEN3 = dict(vocab=151936, max_positions=40960)
 KNOWN_MODEL_SHAPES = {
     "Qwen/Qwen3-0.6B": dict(heads=16, kv_heads=8, layers=28, **_QWEN3),
@@ -29,8 +30,8 @@ KNOWN_MODEL_SHAPES = {
     "Qwen/Qwen3-8B": dict(heads=32, kv_heads=8, layers=36, **_QWEN3),
     "Qwen/Qwen3-14B": dict(heads=40, kv_heads=8, layers=40, **_QWEN3),
     "Qwen/Qwen3-32B": dict(heads=64, kv_heads=8, layers=64, **_QWEN3),
-    "Qwen/Qwen3-30B-A3B": dict(heads=32, kv_heads=4, layers=48, experts=128, **_QWEN3),
-    "Qwen/Qwen3-235B-A22B": dict(heads=64, kv_heads=4, layers=94, experts=128, **_QWEN3),
+    "Qwen/Qwen3-30B-A3B": dict(heads=32, kv_heads=4, layers=48, experts=128, expert_ffn=768, **_QWEN3),
+    "Qwen/Qwen3-235B-A22B": dict(heads=64, kv_heads=4, layers=94, experts=128, expert_ffn=1536, **_QWEN3),
 }
 
 
@@ -45,9 +46,11 @@ def model_shape(path_key: str, model: str, check_files: bool) -> dict | None:
             heads = hf["num_attention_heads"]
             # routed experts: Qwen MoE "num_experts", Mixtral "num_local_experts"; None = dense
             experts = hf.get("num_experts") or hf.get("num_local_experts") or None
+            # an expert's FFN: Qwen MoE "moe_intermediate_size", Mixtral's experts "intermediate_size"
+            expert_ffn = (hf.get("moe_intermediate_size") or hf.get("intermediate_size")) if experts else None
             return dict(heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
                         layers=hf["num_hidden_layers"], vocab=hf["vocab_size"], experts=experts,
-                        max_positions=hf.get("max_position_embeddings"))
+                        expert_ffn=expert_ffn, max_positions=hf.get("max_position_embeddings"))
         except (ValueError, KeyError, AttributeError) as err:  # not JSON, or not a decoder config
             raise ConfigError(f"{path_key}: {cfg_file} is not a usable HF model config "
                               f"({type(err).__name__}: {err})") from None
@@ -187,8 +190,10 @@ def check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
                           f"{world}")
     expert_parallel = (par.etp or par.tp) * par.ep * par.pp
     if world % expert_parallel:
-        raise ConfigError(f"parallel.ep: etp*ep*pp = {expert_parallel} does not divide the world size "
-                          f"{world} (Megatron lays the experts out over the same ranks)")
+        key = "parallel.etp" if par.etp not in (None, par.tp) else "parallel.ep"
+        raise ConfigError(f"{key}: etp*ep*pp = {expert_parallel} does not divide the world size {world} "
+                          f"(etp={par.etp or par.tp}, ep={par.ep}, pp={par.pp}; Megatron lays the experts "
+                          "out over the same ranks)")
     dp = world // model_parallel
     if par.max_tokens_per_micro_batch is not None:
         positive("parallel.max_tokens_per_micro_batch", par.max_tokens_per_micro_batch)
@@ -205,23 +210,35 @@ def check_parallel(cfg: TrainConfig, shape: dict | None) -> None:
 
 
 def check_expert_parallel(cfg: TrainConfig, shape: dict | None) -> None:
-    """ep/etp only for an MoE student, dividing its experts; MoE training at TP > 1 is refused."""
+    """ep/etp only for an MoE student, ep dividing its experts and etp each expert's FFN; MoE
+    training at TP > 1 is refused. Expert TP > 1 at TP = 1 trains: Megatron's all-to-all dispatcher
+    gathers the tokens of the expert-TP ranks (different data-parallel ranks there) over the expert
+    TP group and reduce-scatters the partial expert outputs back, with no sequence parallelism."""
     par = cfg.parallel
     positive("parallel.ep", par.ep)
     if par.etp is not None:
         positive("parallel.etp", par.etp)
     experts = shape.get("experts") if shape is not None else None
     if shape is not None and not experts:
-        if par.ep != 1 or par.etp not in (None, par.tp):
-            raise ConfigError(f"parallel.ep: expected 1 (and etp unset), got ep={par.ep}, etp={par.etp}: "
-                              f"expert parallelism needs an MoE student, {cfg.model.student} has no experts")
+        if par.ep != 1:
+            raise ConfigError(f"parallel.ep: expected 1, got {par.ep}: expert parallelism needs an MoE "
+                              f"student, {cfg.model.student} has no experts")
+        if par.etp not in (None, par.tp):
+            raise ConfigError(f"parallel.etp: expected null (or tp={par.tp}), got {par.etp}: expert tensor "
+                              f"parallelism needs an MoE student, {cfg.model.student} has no experts")
         return
     if experts and experts % par.ep:
         raise ConfigError(f"parallel.ep: {par.ep} does not divide the student's {experts} experts "
                           f"({cfg.model.student})")
     if experts and par.tp > 1:
-        # megatron-core's MoELayer refuses to train with TP > 1 unless sequence parallelism is on,
-        # and sequence parallelism needs the Transformer Engine layer spec
+        # megatron-core's MoELayer refuses to train with attention TP > 1 unless sequence parallelism
+        # is on, and sequence parallelism needs the Transformer Engine layer spec
         raise ConfigError(f"parallel.tp: an MoE student trains at tp=1 here, got tp={par.tp} "
                           "(Megatron's MoE layer needs sequence parallelism with TP, which needs "
-                          "Transformer Engine); scale the experts with parallel.ep instead")
+                          "Transformer Engine); scale the experts with parallel.ep and split each expert "
+                          "with parallel.etp instead")
+    expert_ffn = shape.get("expert_ffn") if shape is not None else None
+    etp = par.tp if par.etp is None else par.etp
+    if expert_ffn and expert_ffn % etp:
+        raise ConfigError(f"parallel.etp: {etp} does not divide the student's expert FFN size {expert_ffn} "
+                          f"({cfg.model.student}: each expert-TP rank holds an equal slice of every expert)")

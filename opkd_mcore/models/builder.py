@@ -16,7 +16,12 @@ import torch
 
 from opkd_mcore.config.schema import RECOMPUTE_MODES
 from opkd_mcore.models.bridge import ModelBridge, get_bridge, hf_inv_freq
-from opkd_mcore.models.grouped_experts import ExpertsChoice, experts_spec, resolve_experts
+from opkd_mcore.models.grouped_experts import (
+    ExpertsChoice,
+    experts_laid_out_apart,
+    experts_spec,
+    resolve_experts,
+)
 from opkd_mcore.platform import current_device, is_cpu, megatron_thd_rope
 from opkd_mcore.platform.megatron_moe import prepare_megatron_moe
 from opkd_mcore.platform.sdpa_attention import SdpaCoreAttention
@@ -252,10 +257,23 @@ def _make_chunk(config, spec, bridge: ModelBridge, padded_vocab: int, vp_stage: 
     # Megatron's torch norms are created in fp32 on the CPU whatever params_dtype and device say;
     # Megatron's own training moves and casts the whole model, so do the same here
     model.to(device=current_device(), dtype=config.params_dtype)
+    if experts_laid_out_apart(config):
+        _mark_expert_params(model)
     if hasattr(model, "rotary_pos_emb"):
         # HF's frequencies (incl. llama3/linear scaling) replace Megatron's, so RoPE is identical
         model.rotary_pos_emb.inv_freq = hf_inv_freq(bridge).to(current_device())
     return model
+
+
+def _mark_expert_params(model) -> None:
+    """Every routed expert's parameters are expert-parallel (`experts_laid_out_apart`): Megatron's
+    SequentialMLP / TEGroupedMLP mark them by EP alone, so expert TP at EP = 1 would leave them dense."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            for param in module.experts.parameters():
+                param.allreduce = False
 
 
 def layout_of(model_chunks) -> ModelLayout:

@@ -222,6 +222,16 @@ def _sequential_extra_states(module, prefix: str, sharded_offsets: tuple) -> dic
     return out
 
 
+def experts_laid_out_apart(config) -> bool:
+    """True when the routed experts' ranks are not the dense weights' (EP > 1, or expert TP != TP):
+    their parameters then belong to Megatron's expert groups (`allreduce = False`: broadcast, gradient
+    reduction and the optimizer's norm over expert-DP / expert-model-parallel). Megatron's own expert
+    layers look at EP only, which at EP = 1 with expert TP != TP would sum the gradients of different
+    expert-TP shards over DP and overwrite every shard with DP rank 0's at start."""
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    return config.expert_model_parallel_size > 1 or etp != config.tensor_model_parallel_size
+
+
 def _expert_param(config, shape: tuple[int, ...], partition_dim: int, init) -> torch.nn.Parameter:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     from megatron.core.tensor_parallel.random import (
@@ -238,8 +248,9 @@ def _expert_param(config, shape: tuple[int, ...], partition_dim: int, init) -> t
             with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
                 init(param.data)
     set_tensor_model_parallel_attributes(param, True, partition_dim, 1)
-    # reduced over the expert-data-parallel group, not DP, once experts are split over EP ranks
-    param.allreduce = config.expert_model_parallel_size == 1
+    # reduced over the expert-data-parallel group, not DP, once experts are laid out unlike the dense
+    # weights: split over EP ranks, or over expert-TP ranks that are not the TP ranks
+    param.allreduce = not experts_laid_out_apart(config)
     return param
 
 

@@ -14,7 +14,10 @@ of torch every one of those raises. Instead of patching Megatron's files, this m
   `_backward_with_mode`),
 * hands `all_to_all_single` its split sizes as lists: the MoE all-to-all token dispatcher moves
   them to the host with a helper that only converts CUDA tensors (to numpy), so on the CPU they
-  arrive as tensors, which the collective's signature refuses.
+  arrive as tensors, which the collective's signature refuses,
+* gathers tensors of different sizes (`all_gather` into a list of uneven shards) by padding them
+  to the largest: gloo refuses uneven shards, which the MoE all-to-all dispatcher gathers over
+  the expert-TP group when those ranks hold different tokens (expert TP at TP=1).
 
 Everything is reversible (`disable_cpu_emulation`) and never active on GPU/NPU.
 """
@@ -56,10 +59,27 @@ _DEVICE_KWARGS = ("device",)
 _SPLIT_KWARGS = ("output_split_sizes", "input_split_sizes")
 
 
-def _is_all_to_all_single(func) -> bool:
+def _is_collective(func, name: str) -> bool:
     # torch.distributed wraps its collectives (c10d_logger), so compare by name, not identity
-    return getattr(func, "__name__", "") == "all_to_all_single" and \
+    return getattr(func, "__name__", "") == name and \
         getattr(func, "__module__", "").startswith("torch.distributed")
+
+
+def _all_gather_uneven(func, args, kwargs):
+    """`all_gather(tensor_list, tensor, group=...)` for shards of different sizes: gather them
+    padded to the largest and copy each rank's rows into its entry (the NCCL call does the same
+    without padding). Equal shards go straight to the collective."""
+    tensor_list, tensor, rest = args[0], args[1], args[2:]
+    sizes = [t.numel() for t in tensor_list]
+    if len(set(sizes)) == 1 or kwargs.get("async_op"):
+        return func(*args, **kwargs)
+    padded = tensor.new_zeros(max(sizes))
+    padded[:tensor.numel()] = tensor.reshape(-1)
+    gathered = [torch.empty_like(padded) for _ in tensor_list]
+    func(gathered, padded, *rest, **kwargs)
+    for out, got in zip(tensor_list, gathered):
+        out.copy_(got[:out.numel()].view_as(out))
+    return None
 
 
 class CpuDeviceMode(TorchFunctionMode):
@@ -76,7 +96,9 @@ class CpuDeviceMode(TorchFunctionMode):
             kwargs["pin_memory"] = False  # pinning needs a CUDA runtime
         if func in _TENSOR_TO and len(args) > 1 and _is_accel_device(args[1]):
             args = (args[0], _CPU, *args[2:])
-        if _is_all_to_all_single(func):
+        if _is_collective(func, "all_gather") and len(args) >= 2 and isinstance(args[0], list):
+            return _all_gather_uneven(func, args, kwargs)
+        if _is_collective(func, "all_to_all_single"):
             for key in _SPLIT_KWARGS:
                 if isinstance(kwargs.get(key), torch.Tensor):
                     kwargs[key] = kwargs[key].tolist()

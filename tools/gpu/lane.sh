@@ -37,6 +37,7 @@
 #                                         # experts side by side (MOE_EXPERTS=a,b to choose; te_grouped
 #                                         # needs TE: ../shared/device/te-bundle.sh)
 #   NPROC=4 bash tools/gpu/lane.sh moe    # the same at EP=4 (4 GPUs)
+#   NPROC=4 MOE_ETP=2 MOE_EXPERTS=torch_grouped bash tools/gpu/lane.sh moe  # EP=2 x expert-TP=2 (4 GPUs)
 #   MOE_EXPERTS=torch_grouped MOE_TOKENS=16384 MOE_BALANCED=1 bash tools/gpu/lane.sh moe  # balanced routing
 #   MOE_EXPERTS=torch_grouped MOE_TOKENS=4096,16384 MOE_OVERLAP=0,distopt,1 bash tools/gpu/lane.sh moe
 #                                         # tokens per rank x optimizer (replicated Adam state, distributed
@@ -287,17 +288,18 @@ case "${1:-}" in
         # another model would include it); PROFILE=1 traces one more step into $OUT/moe<N>_profile_<impl>.txt
         # MOE_TOKENS (tokens per rank, 4096) and MOE_OVERLAP (0: Adam state replicated over DP; distopt: the
         # distributed optimizer; 1: it with its DP collectives overlapped) take lists: a process per value;
-        # MOE_BALANCED=1: Megatron's forced load balancing (a trained router's loads, not a random one's)
-    n=${NPROC:-2}; bal=${MOE_BALANCED:+--balanced-routing}
+        # MOE_BALANCED=1: Megatron's forced load balancing (a trained router's loads, not a random one's);
+        # MOE_ETP=N splits each expert over N expert-TP ranks (EP = NPROC / N)
+    n=${NPROC:-2}; bal=${MOE_BALANCED:+--balanced-routing}; etp=${MOE_ETP:+--etp $MOE_ETP}
     for impl in $(echo "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" | tr , ' '); do
      for tok in $(echo "${MOE_TOKENS:-4096}" | tr , ' '); do
       for ov in $(echo "${MOE_OVERLAP:-0}" | tr , ' '); do
         case $ov in 0) opt=;; distopt) opt=--distributed-optimizer;; 1) opt=--overlap;;
                     *) echo "MOE_OVERLAP: expected 0, distopt or 1, got $ov"; exit 2;; esac
         v=; [ "$tok" = 4096 ] && [ "$ov" = 0 ] || v="_t${tok}_o$ov"  # the default run keeps its file names
-        v=$v${bal:+_balanced}
+        v=$v${bal:+_balanced}${MOE_ETP:+_etp$MOE_ETP}
         python3 -m torch.distributed.run --standalone --nproc_per_node "$n" tools/bench_models.py --moe \
-            --layers 8 --seq 4096 --tokens-per-rank "$tok" $opt $bal --moe-experts "$impl" \
+            --layers 8 --seq 4096 --tokens-per-rank "$tok" $opt $bal $etp --moe-experts "$impl" \
             ${PROFILE:+--profile "$OUT/moe${n}${v}_profile"} --out "$OUT/moe${n}${v}_$impl.json" \
             --results "$OUT/results.jsonl" > "$OUT/moe${n}${v}_$impl.log" 2>&1
         grep "^| [a-zA-Z]" "$OUT/moe${n}${v}_$impl.log" | tail -1 || tail -20 "$OUT/moe${n}${v}_$impl.log"
