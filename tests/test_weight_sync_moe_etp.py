@@ -1,0 +1,97 @@
+"""Weight sync of an MoE student trained at expert TP = 2 (EP = 1, two processes) into a real vLLM (CPU)
+engine: every expert's FFN is split over the two ranks, the export gathers each expert over the
+expert-TP group and rank 0 alone sends (one source). The reference, as in `test_weight_sync_moe.py`, is
+a fresh engine started from the student's HF export: every parameter equal bit for bit, and the same
+greedy tokens. Extended suite (`tests/conftest.py`): the ETP layout's training is in CI
+(`test_models_moe_etp.py`), and this engine round trip costs ~45 s.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from opkd_mcore.rollout.vllm_rollout import shutdown_llm
+from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
+from opkd_mcore.weight_sync.vllm_handle import VllmReceiverHandle
+from tests._dist import free_port, require_devices, run_distributed
+from tests.conftest import engine_kwargs
+from tests.test_weight_sync_moe import FAMILY, VERSION, MoeReceiverForTest, _probe
+from tests.test_weight_sync_vllm import TRAIN_SEQUENCES, TRANSPORT, _ce_loss, greedy, hf_state
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
+    """Train one step at expert TP 2, save the HF export, sync the live weights into the engine."""
+    from opkd_mcore.config.schema import OptimSection
+    from opkd_mcore.engine.megatron_engine import MegatronEngine
+    from opkd_mcore.engine.packing import pack_sequences
+    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights, save_hf_checkpoint
+    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport
+
+    init_parallel(ParallelConfig(etp=2, seed=7))
+    try:
+        chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32, moe_aux_loss_coeff=0.01)
+        load_hf_weights(chunks, hf_dir)
+        engine = MegatronEngine(chunks, OptimSection(lr=1e-2))
+        batch = [pack_sequences([TRAIN_SEQUENCES[rank]], [4])]  # one sequence per DP rank
+        metrics = engine.train_step(batch, _ce_loss(2 * batch[0].num_loss_tokens))
+        save_hf_checkpoint(chunks, export_dir, src_hf_dir=hf_dir, progress=False)
+        sync = MegatronWeightExport(chunks, SyncGroupsConfig(**sync_cfg))
+        sync.connect()
+        stats = sync.sync(VERSION)
+        sync.close()
+        return {"source": sync.source, "num_groups": len(sync.groups), "metrics": metrics,
+                "sent": None if stats is None else stats.syncs}
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
+
+    shape = TinyModelShape(vocab_size=200, num_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    return save_tiny_hf_model(str(tmp_path_factory.mktemp("moe_etp_sync") / FAMILY), FAMILY, shape, seed=2)
+
+
+def test_etp2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
+    import vllm
+
+    require_devices(2)
+    llm = vllm.LLM(checkpoint, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                   **engine_kwargs(), worker_extension_cls=MoeReceiverForTest.__module__ + ".MoeReceiverForTest")
+    try:
+        before = greedy(llm)
+        cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=300, bucket_bytes=1 << 18,
+                               transport=TRANSPORT)
+        handle = VllmReceiverHandle(llm)
+        joined = handle.join_async(cfg.stage_groups(1), transport=TRANSPORT)
+        received = handle.receive_async()
+        export_dir = str(tmp_path / "export")
+        per_rank = run_distributed(_trainer, 2, checkpoint, export_dir, asdict(cfg),
+                                   backend=None if torch.cuda.is_available() else "gloo")
+        assert joined.result(60) == [1] and received.result(120) == [VERSION]
+        assert per_rank[0]["num_groups"] == 1 and per_rank[0]["sent"] == 1  # one source: rank 0
+        assert per_rank[0]["metrics"]["train/update_applied"] == 1.0
+        exported, original = hf_state(export_dir), hf_state(checkpoint)
+        changed = [k for k in original if not torch.equal(exported[k], original[k])]
+        assert any(".experts.6." in k for k in changed)
+        synced_params, synced_tokens = _probe(llm), greedy(llm)
+    finally:
+        shutdown_llm(llm)
+    fresh = vllm.LLM(export_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                     enable_prefix_caching=False, **engine_kwargs(),
+                     worker_extension_cls=MoeReceiverForTest.__module__ + ".MoeReceiverForTest")
+    try:
+        fresh_params = _probe(fresh)
+        assert fresh_params.keys() == synced_params.keys()
+        for name, value in fresh_params.items():
+            assert synced_params[name] == value, name
+        assert greedy(fresh) == synced_tokens
+    finally:
+        shutdown_llm(fresh)
+    assert synced_tokens != before
