@@ -76,8 +76,9 @@ def _check_layer_by_layer(loads: list[list[str]], layers: int) -> None:
         assert _position(names[0], layers) == outstanding, (k, [load[0] for load in loads])
 
 
-def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
-    """Train one step at EP=2, save the HF export, sync the live weights into the engine."""
+def train_step_and_sync(rank, hf_dir, export_dir, sync_cfg, parallel: dict) -> dict:
+    """Train one step in the `parallel` layout (ParallelConfig's fields), save the HF export, sync the
+    live weights into the engine; what each rank saw."""
     from opkd_mcore.config.schema import OptimSection
     from opkd_mcore.engine.megatron_engine import MegatronEngine
     from opkd_mcore.engine.packing import pack_sequences
@@ -85,7 +86,7 @@ def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport
 
-    init_parallel(ParallelConfig(ep=2, seed=7))
+    init_parallel(ParallelConfig(**parallel, seed=7))
     try:
         # float32 as the engine: the probe compares bytes (an accelerator's default is bf16)
         chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32, moe_aux_loss_coeff=0.01)
@@ -105,6 +106,10 @@ def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
                 "stats": None if stats is None else (stats.syncs, stats.handshakes, stats.bytes_sent)}
     finally:
         destroy_parallel()
+
+
+def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
+    return train_step_and_sync(rank, hf_dir, export_dir, sync_cfg, {"ep": 2})
 
 
 @pytest.fixture(scope="module")

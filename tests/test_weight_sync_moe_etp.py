@@ -17,37 +17,14 @@ from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from opkd_mcore.weight_sync.vllm_handle import VllmReceiverHandle
 from tests._dist import free_port, require_devices, run_distributed
 from tests.conftest import engine_kwargs
-from tests.test_weight_sync_moe import FAMILY, VERSION, MoeReceiverForTest, _probe
-from tests.test_weight_sync_vllm import TRAIN_SEQUENCES, TRANSPORT, _ce_loss, greedy, hf_state
+from tests.test_weight_sync_moe import FAMILY, VERSION, MoeReceiverForTest, _probe, train_step_and_sync
+from tests.test_weight_sync_vllm import TRANSPORT, greedy, hf_state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
-    """Train one step at expert TP 2, save the HF export, sync the live weights into the engine."""
-    from opkd_mcore.config.schema import OptimSection
-    from opkd_mcore.engine.megatron_engine import MegatronEngine
-    from opkd_mcore.engine.packing import pack_sequences
-    from opkd_mcore.models import build_model, load_hf_config, load_hf_weights, save_hf_checkpoint
-    from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from opkd_mcore.weight_sync.megatron_source import MegatronWeightExport
-
-    init_parallel(ParallelConfig(etp=2, seed=7))
-    try:
-        chunks = build_model(load_hf_config(hf_dir), params_dtype=torch.float32, moe_aux_loss_coeff=0.01)
-        load_hf_weights(chunks, hf_dir)
-        engine = MegatronEngine(chunks, OptimSection(lr=1e-2))
-        batch = [pack_sequences([TRAIN_SEQUENCES[rank]], [4])]  # one sequence per DP rank
-        metrics = engine.train_step(batch, _ce_loss(2 * batch[0].num_loss_tokens))
-        save_hf_checkpoint(chunks, export_dir, src_hf_dir=hf_dir, progress=False)
-        sync = MegatronWeightExport(chunks, SyncGroupsConfig(**sync_cfg))
-        sync.connect()
-        stats = sync.sync(VERSION)
-        sync.close()
-        return {"source": sync.source, "num_groups": len(sync.groups), "metrics": metrics,
-                "sent": None if stats is None else stats.syncs}
-    finally:
-        destroy_parallel()
+    return train_step_and_sync(rank, hf_dir, export_dir, sync_cfg, {"etp": 2})
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +52,7 @@ def test_etp2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
         per_rank = run_distributed(_trainer, 2, checkpoint, export_dir, asdict(cfg),
                                    backend=None if torch.cuda.is_available() else "gloo")
         assert joined.result(60) == [1] and received.result(120) == [VERSION]
-        assert per_rank[0]["num_groups"] == 1 and per_rank[0]["sent"] == 1  # one source: rank 0
+        assert per_rank[0]["num_groups"] == 1 and per_rank[0]["stats"][0] == 1  # one source: rank 0
         assert per_rank[0]["metrics"]["train/update_applied"] == 1.0
         exported, original = hf_state(export_dir), hf_state(checkpoint)
         changed = [k for k in original if not torch.equal(exported[k], original[k])]
