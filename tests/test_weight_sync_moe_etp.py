@@ -17,7 +17,13 @@ from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
 from opkd_mcore.weight_sync.vllm_handle import VllmReceiverHandle
 from tests._dist import free_port, require_devices, run_distributed
 from tests.conftest import engine_kwargs
-from tests.test_weight_sync_moe import FAMILY, VERSION, MoeReceiverForTest, _probe, train_step_and_sync
+from tests.test_weight_sync_moe import (  # noqa: F401 (checkpoint: the same tiny Qwen2-MoE fixture)
+    VERSION,
+    MoeReceiverForTest,
+    _probe,
+    checkpoint,
+    train_step_and_sync,
+)
 from tests.test_weight_sync_vllm import TRANSPORT, greedy, hf_state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -27,15 +33,7 @@ def _trainer(rank, world, hf_dir, export_dir, sync_cfg):
     return train_step_and_sync(rank, hf_dir, export_dir, sync_cfg, {"etp": 2})
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
-
-    shape = TinyModelShape(vocab_size=200, num_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    return save_tiny_hf_model(str(tmp_path_factory.mktemp("moe_etp_sync") / FAMILY), FAMILY, shape, seed=2)
-
-
-def test_etp2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
+def test_etp2_student_synced_matches_its_hf_export(checkpoint, tmp_path):  # noqa: F811
     import vllm
 
     require_devices(2)

@@ -106,19 +106,15 @@ def check_values(teacher, *, vocab: int) -> None:
             row = _first_bad_row(torch.isnan(teacher.logits))
             raise ValueError(f"teacher.logits: expected no NaN, found one in row {row}")
         return
-    ids, logprobs = teacher.ids, teacher.logprobs
-    valid = ids != PAD_ID
-    bad_range = valid & ((ids < 0) | (ids >= vocab))
+    ids = teacher.ids
+    bad_range, nan, dup = _topk_faults(teacher, vocab)
     if bad_range.any():
         row = _first_bad_row(bad_range)
         raise ValueError(f"teacher.ids: expected ids in [0, V={vocab}) or {PAD_ID} for padding, "
                          f"row {row} has {ids[row][bad_range[row]].tolist()}")
-    if torch.isnan(logprobs).any():
-        row = _first_bad_row(torch.isnan(logprobs))
+    if nan.any():
+        row = _first_bad_row(nan)
         raise ValueError(f"teacher.logprobs: expected no NaN, found one in row {row}")
-    sorted_ids = torch.sort(torch.where(valid, ids, -1 - torch.arange(ids.shape[1], device=ids.device)),
-                            dim=1).values
-    dup = sorted_ids[:, 1:] == sorted_ids[:, :-1]
     if dup.any():
         row = _first_bad_row(dup)
         raise ValueError(f"teacher.ids: expected distinct ids in a row, row {row} has duplicates: "
@@ -128,12 +124,19 @@ def check_values(teacher, *, vocab: int) -> None:
 def invalid_topk_rows(teacher: TopKTeacher, *, vocab: int) -> torch.Tensor:
     """`[N]` float, 1 for a row `check_values` would reject (an id outside [0, V) other than the
     padding, a NaN logprob, an id twice), else 0: tensor ops on the rows' device, no host sync."""
+    return torch.stack([m.any(1) for m in _topk_faults(teacher, vocab)]).any(0).float()
+
+
+def _topk_faults(teacher: TopKTeacher, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masks of what top-k rows must not hold: ids outside [0, V) other than the padding `[N, K]`,
+    NaN logprobs `[N, K]`, an id equal to the next one in the row's sorted order `[N, K-1]`."""
     ids, logprobs = teacher.ids, teacher.logprobs
     valid = ids != PAD_ID
-    bad = (valid & ((ids < 0) | (ids >= vocab))).any(1) | torch.isnan(logprobs).any(1)
+    bad_range = valid & ((ids < 0) | (ids >= vocab))
+    # padding slots get distinct negative stand-ins, so only real ids can repeat
     sorted_ids = torch.sort(torch.where(valid, ids, -1 - torch.arange(ids.shape[1], device=ids.device)),
                             dim=1).values
-    return (bad | (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(1)).float()
+    return bad_range, torch.isnan(logprobs), sorted_ids[:, 1:] == sorted_ids[:, :-1]
 
 
 def _first_bad_row(mask) -> int:
