@@ -141,6 +141,11 @@ def test_opkd_overrides_load_into_the_gpu_config(tmp_path, teacher_kind, gpus):
     assert cfg.teacher.teachers[0].backend == ("vllm" if teacher_kind == "topk" else "megatron")
     assert cfg.loss.support == ("teacher" if teacher_kind == "topk" else None)
     assert cfg.controller.kind == ("ray" if gpus == 2 else "torchrun")
+    if gpus == 2:
+        off = bench_peers.opkd_overrides(replace(w, schedule="one_step_off"), str(tmp_path / "r"), "/p.jsonl",
+                                         on_gpu=True)
+        assert load_config(bench_peers.GPU_CONFIG, off, check_files=False).run.schedule == "one_step_off"
+    assert cfg.run.schedule == "sync"
 
 
 def test_verl_overrides_follow_the_workload():

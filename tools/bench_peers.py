@@ -85,6 +85,9 @@ class Workload:
     clip_grad: float = _f(1.0, "max global gradient norm")
     dtype: str = _f("bfloat16", "training and inference dtype (float32 on CPU)")
     gpus: int = _f(1, "GPUs per runner: 1 colocated, 2 disaggregated where the runner supports it")
+    schedule: str = _f("sync", "opkd train on 2 GPUs: its Ray controller's run.schedule (sync: on-policy as "
+                               "TRL; one_step_off: step n+1 generated beside step n's training, as verl's "
+                               "one-step-off: samples one weight version old)")
     gpu_memory_utilization: float = _f(0.2, "each colocated vLLM engine's share of the GPU")
     max_model_len: int = _f(512, "vLLM context length (prompt + response)")
 
@@ -102,6 +105,8 @@ class Workload:
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.schedule not in ("sync", "one_step_off"):
+            raise ValueError(f"schedule: expected sync or one_step_off, got {self.schedule!r}")
         if self.warmup_steps < 0 or self.gpus not in (1, 2):
             raise ValueError(f"warmup_steps >= 0 and gpus in (1, 2) expected, got "
                              f"{self.warmup_steps} and {self.gpus}")
@@ -275,7 +280,7 @@ def opkd_overrides(w: Workload, run_dir: str, prompts_path: str, on_gpu: bool) -
     if not on_gpu:  # the CPU build of vLLM: no graph capture; float32 everywhere
         out += ["rollout.enforce_eager=true", "teacher.teachers.0.dtype=float32"]
     if w.gpus == 2:  # trainer on one GPU, rollout engine + vLLM teacher on the other
-        out += ["controller.kind=ray", "controller.placement=disaggregated",
+        out += ["controller.kind=ray", "controller.placement=disaggregated", f"run.schedule={w.schedule}",
                 f"controller.teachers_with_rollout={'true' if w.teacher_kind == 'topk' else 'false'}"]
     return out
 
@@ -300,7 +305,8 @@ def run_opkd(w: Workload, run_dir: str, ctx: dict) -> list[StepRow]:
                     response_tokens=int(m["rollout/response_tokens"]), objective=opkd_objective(w),
                     generation_s=m["timing/rollout"], teacher_s=m["timing/teacher"],
                     train_s=m["timing/train"],
-                    weight_update_s=m["timing/weight_sync"], version=f"opkd-mcore {opkd_mcore.__version__}")
+                    weight_update_s=m["timing/weight_sync"], version=f"opkd-mcore {opkd_mcore.__version__}",
+                    notes=f"run.schedule={w.schedule}" if w.gpus == 2 else "")
             for i, m in enumerate(steps)]
 
 

@@ -107,8 +107,9 @@ def timed(name: str, step, steps: int) -> dict:
     samples.sort()
     return {"row": name, "p50_s": round(samples[len(samples) // 2], 4), "min_s": round(samples[0], 4),
             "max_s": round(samples[-1], 4),
-            "device_mallocs": after["num_device_alloc"] - before["num_device_alloc"],
-            "alloc_retries": after["num_alloc_retries"] - before["num_alloc_retries"], "gc_runs": clock.count,
+            "device_mallocs": after.get("num_device_alloc", 0) - before.get("num_device_alloc", 0),
+            "alloc_retries": after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0),
+            "gc_runs": clock.count,
             "gc_s": round(clock.seconds, 4)}
 
 
