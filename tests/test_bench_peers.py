@@ -183,6 +183,29 @@ def test_verl_with_one_gpu_and_a_missing_peer_fail_with_what_stopped_them(tmp_pa
         bench_peers.python_can_import(sys.executable, "no_such_peer")
 
 
+def _fake_trl(root, with_value_head: bool) -> str:
+    (root / "trl").mkdir(parents=True)
+    body = "class AutoModelForCausalLMWithValueHead: pass\n" if with_value_head else ""
+    (root / "trl" / "__init__.py").write_text("__version__ = '0.0'\n" + body)
+    return str(root)
+
+
+def test_verl_refuses_a_trl_it_would_fail_on_and_trl_runs_from_its_own_path(tmp_path):
+    """verl 0.9.1 imports trl's value-head model wherever trl is importable; TRL 1.x has none: the
+    runner says so before verl starts, and `--trl-path` puts TRL on TRL's runner's path only."""
+    env = {**bench_peers.child_env(bench_peers.Workload(), []), "PYTHONPATH": ""}
+    bench_peers.check_verl_sees_no_unusable_trl(sys.executable, env)  # no trl at all: fine
+    old = _fake_trl(tmp_path / "old", with_value_head=True)
+    bench_peers.check_verl_sees_no_unusable_trl(sys.executable, {**env, "PYTHONPATH": old})
+    new = _fake_trl(tmp_path / "new", with_value_head=False)
+    with pytest.raises(bench_peers.RunnerFailed, match="--trl-path"):
+        bench_peers.check_verl_sees_no_unusable_trl(sys.executable, {**env, "PYTHONPATH": new})
+    ctx = {"env": env, "trl_path": new}
+    assert bench_peers.python_can_import(sys.executable, "trl", bench_peers.trl_env(ctx)) == "0.0"
+    with pytest.raises(bench_peers.RunnerFailed, match="trl is not importable"):
+        bench_peers.python_can_import(sys.executable, "trl", env)
+
+
 def test_trl_token_count_leaves_the_padding_out():
     pad, eos = 0, 9
     right_padded = torch.tensor([[5, 6, 7, 0, 0], [8, 0, 0, 0, 0], [1, 2, 3, 4, 6], [0, 0, 0, 0, 0]])

@@ -166,6 +166,7 @@ def test_four_gpu_config_passes_the_start_up_checks_on_its_model_shapes(tmp_path
     (["teacher.teachers.0.backend=tgi"], "teacher.teachers.0.backend", "expected one of"),
     (["weight_sync.every_steps=0"], "weight_sync.every_steps", "> 0"),
     (["run.steps=0"], "run.steps", "> 0"),
+    (["controller.teacher_call_tokens=0"], "controller.teacher_call_tokens", "> 0"),
 ])
 def test_rejections_name_the_key(base, overrides, key_path, fragment):
     _reject(base, overrides, key_path, fragment)

@@ -297,7 +297,30 @@ class _FakeTeacher:
         return object(), object()
 
 
-def test_samples_go_to_their_teacher_in_micro_batch_chunks_on_the_least_loaded_replica():
+def test_the_groups_of_one_rollout_reply_go_to_the_teacher_together():
+    """A step's prompts come back from an engine in one reply: its groups are scored in as few calls
+    as the token budget allows (one here), not one call per group (the per-call cost of a vLLM
+    teacher made 32 calls of 4 samples the largest stage of a two-GPU step)."""
+    from opkd_mcore.controller.schedules import RolloutCall, RolloutFeed
+
+    cfg = _cfg("controller.kind=ray", "parallel.micro_batch_size=2", "parallel.global_batch_size=8",
+               "rollout.n=2", "rollout.prompts_per_step=4")
+    calls = []
+    feed = RolloutFeed(cfg, SimpleNamespace(rollouts=[object()], teachers={cfg.teacher.teachers[0].name: [_FakeTeacher("t0", calls)]}),
+                       _queue(size=10, batch=4), version=0, step=0, sampling=None)
+    jobs = feed.queue.take(4)
+    groups = [_group(_queue(size=10, batch=4), 0) for _ in jobs]  # 2 samples each
+    reply = SimpleNamespace(seconds=1.0, samples=[g.samples for g in groups], token_versions=[[None] * 2] * 4)
+    feed.ray = SimpleNamespace(get=lambda ref: reply)
+    ref = object()
+    feed.rollout_calls[ref] = RolloutCall(0, jobs)
+    feed.busy[0] = 1
+    feed._on_generated(ref)
+    assert calls == [("t0", 8)]
+    assert all(feed.generated[j.key].pending_teacher_calls == 1 for j in jobs)
+
+
+def test_samples_go_to_their_teacher_in_token_budget_calls_on_the_least_loaded_replica():
     from opkd_mcore.controller.schedules import RolloutFeed
 
     cfg = _cfg("controller.kind=ray", "teacher.teachers.0.name=math",
@@ -308,17 +331,23 @@ def test_samples_go_to_their_teacher_in_micro_batch_chunks_on_the_least_loaded_r
     calls = []
     teachers = {"math": [_FakeTeacher("math0", calls), _FakeTeacher("math1", calls)],
                 "chat": [_FakeTeacher("chat0", calls)]}
-    feed = RolloutFeed(cfg, SimpleNamespace(rollouts=[object()], teachers=teachers), _queue(size=10, batch=4),
+    queue = _queue(size=10, batch=4)
+    groups = [_group(queue, 0) for _ in range(4)]
+    lengths = {len(s.teacher_sequence) for g in groups for s in g.samples}
+    assert len(lengths) == 1  # samples of equal length: the budget below holds 3 of them (3.5 do not fit)
+    cfg.controller.teacher_call_tokens = int(3.5 * lengths.pop())
+    feed = RolloutFeed(cfg, SimpleNamespace(rollouts=[object()], teachers=teachers), queue,
                        version=0, step=0, sampling=None)
-    groups = [_group(feed.queue, 0) for _ in range(4)]
     for g, routed in zip(groups, ["math", None, "math", None]):  # route_data's "teacher" key, or the default
         if routed:
             g.job.data["teacher"] = routed
     feed._score(groups)
-    # math: 4 samples -> teacher calls of 3 + 1 on its two replicas in turn; chat (the default): 3 + 1
-    assert calls == [("math0", 3), ("math1", 1), ("chat0", 3), ("chat0", 1)]
+    # math: 4 samples over its two replicas -> 2 + 2 (its budget: half its tokens); chat (the default,
+    # one replica): the 3.5-sample budget -> 3 + 1
+    assert calls == [("math0", 2), ("math1", 2), ("chat0", 3), ("chat0", 1)]
     rows = {g.job.prompt_index: g.teacher_rows for g in groups}
     assert rows[groups[0].job.prompt_index] == [(0, 0), (0, 1)]
-    assert rows[groups[2].job.prompt_index] == [(0, 2), (1, 0)]  # a group split over two teacher calls
-    assert [g.pending_teacher_calls for g in groups] == [1, 1, 2, 2]
+    assert rows[groups[2].job.prompt_index] == [(1, 0), (1, 1)]
+    assert rows[groups[3].job.prompt_index] == [(2, 2), (3, 0)]  # a group split over two teacher calls
+    assert [g.pending_teacher_calls for g in groups] == [1, 1, 1, 2]
     assert not any(feed.scored(g) for g in groups)

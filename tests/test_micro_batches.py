@@ -11,6 +11,7 @@ import torch
 from opkd_mcore.config import LossSection, ParallelSection, load_config
 from opkd_mcore.engine.micro_batches import (
     balanced_partition,
+    consecutive_chunks,
     data_parallel_split,
     micro_batch_groups,
     token_budget_micro_batches,
@@ -92,6 +93,18 @@ def _step_on_logits(scored, student, par, dp_size):
             value.backward()
             total += float(value.detach())
     return total, [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("budget", [1, 30, 61, 100, 1000])
+def test_consecutive_chunks_keep_the_order_within_the_budget(budget):
+    chunks = consecutive_chunks(LENGTHS, budget)
+    assert list(itertools.chain(*chunks)) == list(range(len(LENGTHS)))
+    for chunk, tokens in zip(chunks, _tokens(chunks)):
+        assert tokens <= budget or len(chunk) == 1
+    for a, b in zip(chunks, chunks[1:]):  # no chunk could have taken the next one's first sequence
+        assert _tokens([a])[0] + LENGTHS[b[0]] > budget
+    with pytest.raises(ValueError, match="max_tokens"):
+        consecutive_chunks(LENGTHS, 0)
 
 
 def test_token_budget_step_equals_sequence_count_step_on_the_loss_and_gradients():

@@ -230,11 +230,12 @@ def run_logged(cmd: list[str], log_path: str, *, env: dict | None = None, timeou
                            "\n".join(lines[-25:]))
 
 
-def python_can_import(python: str, module: str) -> str:
-    """`module`'s version as `python` sees it; RunnerFailed naming the interpreter where it cannot."""
+def python_can_import(python: str, module: str, env: dict | None = None) -> str:
+    """`module`'s version as `python` sees it (in `env`); RunnerFailed naming the interpreter where it
+    cannot."""
     probe = (f"import importlib.metadata as m, {module}; "
              f"print(getattr({module}, '__version__', None) or m.version('{module}'))")
-    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["?"])[-1]
         raise RunnerFailed(f"{module} is not importable by {python} ({last}); install it there "
@@ -330,12 +331,43 @@ def run_plain(w: Workload, run_dir: str, ctx: dict) -> list[StepRow]:
     return _run_child("plain", "plain_step.py", sys.executable, w, run_dir, ctx)
 
 
+def trl_env(ctx: dict) -> dict:
+    """TRL's runner's environment: `--trl-path` first on its PYTHONPATH (TRL installed apart)."""
+    env = dict(ctx["env"])
+    if ctx["trl_path"]:
+        env["PYTHONPATH"] = os.pathsep.join([ctx["trl_path"], env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
 def run_trl(w: Workload, run_dir: str, ctx: dict) -> list[StepRow]:
     """tools/bench_peers_trl.py in TRL's interpreter. 2 GPUs: its vLLM server on the second GPU."""
-    python_can_import(ctx["trl_python"], "trl")
+    env = trl_env(ctx)
+    python_can_import(ctx["trl_python"], "trl", env)
     gpus = ctx["gpus"]
-    extra = {"CUDA_VISIBLE_DEVICES": gpus[0], "OPKD_PEERS_SECOND_GPU": gpus[1]} if w.gpus == 2 else None
-    return _run_child("trl", "bench_peers_trl.py", ctx["trl_python"], w, run_dir, ctx, extra)
+    extra = {"CUDA_VISIBLE_DEVICES": gpus[0], "OPKD_PEERS_SECOND_GPU": gpus[1]} if w.gpus == 2 else {}
+    return _run_child("trl", "bench_peers_trl.py", ctx["trl_python"], w, run_dir, ctx,
+                      {"PYTHONPATH": env["PYTHONPATH"], **extra})
+
+
+# verl 0.9.1 patches TRL's value-head model whenever `trl` is importable, from `trl.experimental.ppo`
+# or `trl`; TRL 1.x has it in neither, and verl's actor then fails to build
+VERL_TRL_PROBE = ("import importlib, importlib.util, sys\n"
+                  "if importlib.util.find_spec('trl') is None: sys.exit(0)\n"
+                  "try:\n    importlib.import_module('trl.experimental.ppo').AutoModelForCausalLMWithValueHead\n"
+                  "except Exception:\n"
+                  "    import trl\n"
+                  "    sys.exit(0 if hasattr(trl, 'AutoModelForCausalLMWithValueHead') else 3)")
+
+
+def check_verl_sees_no_unusable_trl(python: str, env: dict) -> None:
+    out = subprocess.run([python, "-c", VERL_TRL_PROBE], capture_output=True, text=True, timeout=600, env=env)
+    if out.returncode == 3:
+        raise RunnerFailed(f"verl 0.9.1 imports trl's AutoModelForCausalLMWithValueHead wherever trl is "
+                           f"importable, and the trl that {python} imports has none (TRL 1.x): install TRL "
+                           f"in a directory of its own and pass it as --trl-path (tools/gpu/README.md)")
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["?"])[-1]
+        raise RunnerFailed(f"verl: probing {python}'s trl failed ({last})")
 
 
 def run_verl(w: Workload, run_dir: str, ctx: dict) -> list[StepRow]:
@@ -343,7 +375,8 @@ def run_verl(w: Workload, run_dir: str, ctx: dict) -> list[StepRow]:
     if w.gpus < 2:
         raise RunnerFailed("verl 0.9.1 places its teacher server in a resource pool of its own "
                            "(distillation.n_gpus_per_node beside trainer.n_gpus_per_node): it needs --gpus 2")
-    python_can_import(ctx["verl_python"], "verl")
+    python_can_import(ctx["verl_python"], "verl", ctx["env"])
+    check_verl_sees_no_unusable_trl(ctx["verl_python"], ctx["env"])
     return _run_child("verl", "bench_peers_verl.py", ctx["verl_python"], w, run_dir, ctx)
 
 
@@ -459,6 +492,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="/tmp/bench_peers", help="run directories, logs and step rows")
     p.add_argument("--trl-python", default=sys.executable, help="interpreter with trl installed")
     p.add_argument("--verl-python", default=sys.executable, help="interpreter with verl installed")
+    p.add_argument("--trl-path", default=None,
+                   help="a directory put first on TRL's runner's PYTHONPATH: TRL installed apart, because "
+                        "verl 0.9.1 fails where TRL 1.x is importable")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one runner may take")
     bench_common.add_results_argument(p)
     return p.parse_args(argv)
@@ -519,12 +555,13 @@ def visible_gpus() -> list[str]:
 
 
 def make_context(w: Workload, pair_dir: str, physical_gpus: list[str], *, timeout_s: float = 1800.0,
-                 trl_python: str = sys.executable, verl_python: str = sys.executable) -> dict:
+                 trl_python: str = sys.executable, verl_python: str = sys.executable,
+                 trl_path: str | None = None) -> dict:
     """What every runner of one pair reads: workload.json and prompts.jsonl written in `pair_dir`, the
     GPUs, the environment and the interpreters of the peers."""
     os.makedirs(pair_dir, exist_ok=True)
     ctx = {"on_gpu": bool(physical_gpus), "gpus": physical_gpus[:w.gpus], "env": child_env(w, physical_gpus),
-           "timeout_s": timeout_s, "trl_python": trl_python, "verl_python": verl_python,
+           "timeout_s": timeout_s, "trl_python": trl_python, "verl_python": verl_python, "trl_path": trl_path,
            "workload_path": os.path.join(pair_dir, "workload.json"),
            "prompts_path": os.path.join(pair_dir, "prompts.jsonl")}
     with open(ctx["workload_path"], "w") as f:
@@ -538,7 +575,7 @@ def run_pair(pair: str, w: Workload, runners: list[str], args, physical_gpus: li
     """Every runner on one model pair, one after the other; a failed runner becomes an error row."""
     pair_dir = os.path.join(args.out, pair.replace(":", "_from_") + f"_{_teacher_label(w)}_{w.gpus}gpu")
     ctx = make_context(w, pair_dir, physical_gpus, timeout_s=args.timeout, trl_python=args.trl_python,
-                       verl_python=args.verl_python)
+                       verl_python=args.verl_python, trl_path=args.trl_path)
     summaries = []
     for name in runners:
         run_dir = os.path.join(pair_dir, name)

@@ -474,6 +474,10 @@ class ControllerSection:
     """ray: actors per in-process scoring teacher (vllm, hf); a remote teacher gets one per URL"""
     teachers_with_rollout: bool = False
     """ray, disaggregated: teachers share the rollout engines' devices (rollout_tp 1)"""
+    teacher_call_tokens: int = 65536
+    """ray: tokens (prompt + response) per scoring call: the groups of one rollout reply go to a teacher
+    in calls of up to this many tokens (a longer sample alone) and at least one call per replica; a
+    large call keeps the teacher's device busy, small ones let its result reach the trainer sooner"""
     cpus_per_worker: float = 1.0
     """ray: CPUs each actor reserves (Ray places by declared resources, not load)"""
     max_restarts: int = 3

@@ -479,7 +479,7 @@ def _check_schedule(cfg: TrainConfig) -> None:
     run, ctl = cfg.run, cfg.controller
     choice("controller.kind", ctl.kind, CONTROLLERS)
     choice("controller.placement", ctl.placement, PLACEMENTS)
-    for name in ("rollout_engines", "rollout_tp", "teacher_replicas"):
+    for name in ("rollout_engines", "rollout_tp", "teacher_replicas", "teacher_call_tokens"):
         positive(f"controller.{name}", getattr(ctl, name))
     for name in ("cpus_per_worker", "sync_timeout_s", "call_timeout_s"):
         positive(f"controller.{name}", getattr(ctl, name))

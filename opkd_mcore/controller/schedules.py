@@ -15,7 +15,8 @@ finishes first (`ray.wait`) and hands the trainer its batches; a policy decides 
 
 Teacher rows are never fetched here: a teacher call returns (rows, seconds) as two objects, the
 driver reads the seconds and hands the rows' reference to the trainer ranks. A teacher call scores
-`parallel.micro_batch_size` samples, so a rank pulls rows per micro-batch.
+the samples generated together, up to `controller.teacher_call_tokens` tokens; a trainer rank pulls
+the calls that hold its samples.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from opkd_mcore.controller.data_plane import GroupResult, PromptJob
 from opkd_mcore.controller.groups import is_actor_death
+from opkd_mcore.engine.micro_batches import consecutive_chunks
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -131,14 +133,17 @@ class RolloutFeed:
             self._engine_died(call, err)
             return
         share = reply.seconds / len(call.jobs)
+        ready = []  # scored together: one teacher call holds as many of them as its token budget allows
         for job, samples, versions in zip(call.jobs, reply.samples, reply.token_versions):
             group = GroupResult(job=job, samples=samples, token_versions=versions, seconds=share)
             self.generated[job.key] = group
             if self.policy.may_score(self, job):
-                self._score([group])
+                ready.append(group)
             else:
                 group.deferred = True
                 self.deferred.append(group)
+        if ready:
+            self._score(ready)
 
     def _engine_died(self, call: RolloutCall, err) -> None:
         """Re-queue the dead engine's prompts, bring it back with the current weights, go on."""
@@ -161,7 +166,8 @@ class RolloutFeed:
         return name
 
     def _score(self, groups: list[GroupResult]) -> None:
-        """Send the groups' samples to their teachers, `micro_batch_size` samples per call."""
+        """Send the groups' samples to their teachers, up to `controller.teacher_call_tokens` tokens per call
+        and at least one call per replica."""
         if not self.groups.teachers:  # the teacher scores inside the student's step
             for g in groups:
                 g.teacher_rows = [None] * len(g.samples)
@@ -171,10 +177,13 @@ class RolloutFeed:
             g.teacher_rows = [None] * len(g.samples)
             for k in range(len(g.samples)):
                 by_teacher[self._teacher_of(g.job)].append((g, k))
-        size = self.cfg.parallel.micro_batch_size
         for name, members in by_teacher.items():
-            for s in range(0, len(members), size):
-                call = TeacherCall(id=self.next_call_id, teacher=name, members=members[s:s + size])
+            lengths = [len(g.samples[k].teacher_sequence) for g, k in members]
+            # no fewer calls than the teacher has replicas, so that every replica scores a share
+            replicas = len(self.groups.teachers[name])
+            budget = min(self.cfg.controller.teacher_call_tokens, -(-sum(lengths) // replicas))
+            for chunk in consecutive_chunks(lengths, budget):
+                call = TeacherCall(id=self.next_call_id, teacher=name, members=[members[i] for i in chunk])
                 self.next_call_id += 1
                 self.teacher_calls[call.id] = call
                 for row, (g, k) in enumerate(call.members):

@@ -50,6 +50,22 @@ def data_parallel_split(lengths: Sequence[int], dp_size: int, *, balance_tokens:
     return balanced_partition(lengths, dp_size, capacity=per_rank)
 
 
+def consecutive_chunks(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` in order, cut into runs of at most `max_tokens` tokens (a longer
+    sequence alone): the order is kept, so the first chunk can start before the last is known."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens: expected a positive token budget, got {max_tokens}")
+    chunks: list[list[int]] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if not chunks or tokens + n > max_tokens:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(i)
+        tokens += n
+    return chunks
+
+
 def _fits(groups: list[list[int]], lengths: Sequence[int], max_tokens: int) -> bool:
     return all(sum(lengths[i] for i in g) <= max_tokens or len(g) == 1 for g in groups)
 

@@ -433,10 +433,11 @@ case "${1:-}" in
     grep "peak GPU memory" "$OUT/train_moe$t.log" ;;
   peers_trl)  # opkd bench peers, TRL then opkd train on one GPU; the table's notes say how many generate
               # calls and sequences each TRL step made, and its response tokens beside opkd's where they differ
-    python3 -c "import trl" 2>/dev/null || { echo "trl is not importable: install the peers' wheels" \
-        "(tools/gpu/README.md, Against other trainers)"; exit 1; }
+    PYTHONPATH=/tmp/site-trl:$PYTHONPATH python3 -c "import trl" 2>/dev/null || { echo "trl is not" \
+        "importable from /tmp/site-trl: install the peers' wheels (tools/gpu/README.md, Against other" \
+        "trainers)"; exit 1; }
     python3 -m opkd_mcore.cli bench peers --runners trl,opkd --pairs 0.6b:1.7b --teacher topk:64 --gpus 1 \
-        --make-models --timeout 280 --out /tmp/peers_trl --results "$OUT/results.jsonl" "${@:2}" \
+        --make-models --trl-path /tmp/site-trl --timeout 280 --out /tmp/peers_trl --results "$OUT/results.jsonl" "${@:2}" \
         > "$OUT/bench_peers_trl.log" 2>&1
     cp /tmp/peers_trl/0.6b_from_1.7b_top-64_1gpu/trl/steps.jsonl "$OUT/peers_trl_steps.jsonl" 2>/dev/null
     grep -E "^\|" "$OUT/bench_peers_trl.log" || tail -30 "$OUT/bench_peers_trl.log" ;;
