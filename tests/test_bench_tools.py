@@ -276,4 +276,13 @@ def test_bench_models_moe_trains_with_the_overlapped_distributed_optimizer_on_cp
     assert row["optimizer"] == "distributed+overlap"
     assert (row["tokens_per_rank"], row["micro_batches_per_rank"]) == (64, 2)
     assert row["tokens_per_step"] == 128 and row["ep"] == 2 and 0 < row["loss"] < float("inf")
-    assert row["routing"] == "balanced"
+    assert row["routing"] == "balanced" and row["moe_fusions"] is False
+
+
+def test_bench_models_moe_fusions_without_transformer_engine_is_an_error_naming_it(monkeypatch):
+    from tools import bench_models
+    from tools.bench_models_moe import _run_one
+
+    monkeypatch.setattr(sys, "argv", ["bench_models.py", "--moe", "--moe-fusions"])
+    with pytest.raises(SystemExit, match="--moe-fusions: .*Transformer Engine is not importable"):
+        _run_one(bench_models.parse_args(), 1, "sequential")
