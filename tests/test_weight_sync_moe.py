@@ -152,6 +152,20 @@ def _probe(llm) -> dict:
     return llm.collective_rpc("probe_parameters")[0]
 
 
+def sync_from_two_trainers(llm, cfg: SyncGroupsConfig, groups: int, trainer, checkpoint: str,
+                           export_dir: str) -> list[dict]:
+    """The engine joins `groups` sync groups and waits for weights while two trainer processes
+    (`trainer`) each train one step from `checkpoint` and send; their results, after the engine's
+    join and receive both returned."""
+    handle = VllmReceiverHandle(llm)
+    joined = handle.join_async(cfg.stage_groups(groups), transport=TRANSPORT)
+    received = handle.receive_async()
+    per_rank = run_distributed(trainer, 2, checkpoint, export_dir, asdict(cfg),
+                               backend=None if torch.cuda.is_available() else "gloo")
+    assert joined.result(60) == [1] and received.result(120) == [VERSION]
+    return per_rank
+
+
 def test_ep2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
     import vllm
 
@@ -163,16 +177,11 @@ def test_ep2_student_synced_matches_its_hf_export(checkpoint, tmp_path):
         before = greedy(llm)
         cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=300, bucket_bytes=1 << 18)
         llm.collective_rpc("record_loads")
-        handle = VllmReceiverHandle(llm)
         # one group per source (stage 0, EP rank 0 / 1); on GPUs the transport the trainer picks for an
         # engine on rank 0's device, device IPC (rank 1's buffers are mapped from the other GPU)
         cfg = replace(cfg, transport=TRANSPORT)
-        joined = handle.join_async(cfg.stage_groups(2), transport=TRANSPORT)
-        received = handle.receive_async()
         export_dir = str(tmp_path / "export")
-        per_rank = run_distributed(_trainer, 2, checkpoint, export_dir, asdict(cfg),
-                                   backend=None if torch.cuda.is_available() else "gloo")
-        assert joined.result(60) == [1] and received.result(120) == [VERSION]
+        per_rank = sync_from_two_trainers(llm, cfg, 2, _trainer, checkpoint, export_dir)
 
         assert [r["source"] for r in per_rank] == [0, 1] and per_rank[0]["num_groups"] == 2
         assert all(r["stats"][:2] == (1, 1) for r in per_rank)

@@ -7,21 +7,18 @@ greedy tokens. Extended suite (`tests/conftest.py`): the ETP layout's training i
 """
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
 import torch
 
 from opkd_mcore.rollout.vllm_rollout import shutdown_llm
 from opkd_mcore.weight_sync.megatron_source import SyncGroupsConfig
-from opkd_mcore.weight_sync.vllm_handle import VllmReceiverHandle
-from tests._dist import free_port, require_devices, run_distributed
+from tests._dist import free_port, require_devices
 from tests.conftest import engine_kwargs
 from tests.test_weight_sync_moe import (  # noqa: F401 (checkpoint: the same tiny Qwen2-MoE fixture)
-    VERSION,
     MoeReceiverForTest,
     _probe,
     checkpoint,
+    sync_from_two_trainers,
     train_step_and_sync,
 )
 from tests.test_weight_sync_vllm import TRANSPORT, greedy, hf_state
@@ -43,13 +40,8 @@ def test_etp2_student_synced_matches_its_hf_export(checkpoint, tmp_path):  # noq
         before = greedy(llm)
         cfg = SyncGroupsConfig(base_port=free_port(8), num_receivers=1, timeout_s=300, bucket_bytes=1 << 18,
                                transport=TRANSPORT)
-        handle = VllmReceiverHandle(llm)
-        joined = handle.join_async(cfg.stage_groups(1), transport=TRANSPORT)
-        received = handle.receive_async()
         export_dir = str(tmp_path / "export")
-        per_rank = run_distributed(_trainer, 2, checkpoint, export_dir, asdict(cfg),
-                                   backend=None if torch.cuda.is_available() else "gloo")
-        assert joined.result(60) == [1] and received.result(120) == [VERSION]
+        per_rank = sync_from_two_trainers(llm, cfg, 1, _trainer, checkpoint, export_dir)
         assert per_rank[0]["num_groups"] == 1 and per_rank[0]["stats"][0] == 1  # one source: rank 0
         assert per_rank[0]["metrics"]["train/update_applied"] == 1.0
         exported, original = hf_state(export_dir), hf_state(checkpoint)
