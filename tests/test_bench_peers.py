@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import sys
 import time
 from dataclasses import asdict, fields, replace
@@ -173,6 +174,28 @@ def test_verl_command_builds_its_models_with_sdpa_and_no_flash_attn_path():
         assert args[f"actor_rollout_ref.model.{key}"] == "False", key
     assert args["critic.enable"] == "False"
     assert not [a for a in cmd if "flash" in a.lower()]
+
+
+# two steps of verl 0.9.1's file logger as measured on 2026-11-28 (2x H200), keys trimmed to those read
+VERL_LOG = [
+    {"step": 1, "data": {"actor/perf/max_memory_allocated_gb": 48.35, "timing_s/gen": 8.073,
+                         "timing_s/old_log_prob": 3.434, "timing_s/update_actor": 2.359,
+                         "timing_s/update_weights": 0.359, "timing_s/step": 50.676, "response_length/mean": 256.0}},
+    {"step": 2, "data": {"actor/perf/max_memory_allocated_gb": 52.1, "timing_s/gen": 6.073,
+                         "timing_s/old_log_prob": 2.252, "timing_s/update_actor": 1.443,
+                         "timing_s/update_weights": 0.368, "timing_s/step": 10.282, "response_length/mean": 256.0}},
+]
+
+
+def test_verl_rows_read_the_stages_and_the_trainers_memory_from_verls_metrics(tmp_path):
+    path = tmp_path / "verl_metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in VERL_LOG))
+    w = bench_peers.Workload(gpus=2)
+    rows = bench_peers_verl.rows_from_log(w, str(path), "verl 0.9.1")
+    assert [r.warmup for r in rows] == [True, False] and [r.step_s for r in rows] == [50.676, 10.282]
+    assert rows[1].train_s == pytest.approx(1.443 + 2.252) and rows[1].generation_s == 6.073
+    assert rows[1].weight_update_s == 0.368 and rows[1].response_tokens == 256 * w.sequences_per_step
+    assert rows[1].peak_memory_gib == [52.1] and "max_memory_allocated_gb" in rows[1].memory_source
 
 
 def test_verl_with_one_gpu_and_a_missing_peer_fail_with_what_stopped_them(tmp_path):

@@ -21,7 +21,7 @@ sampled-token estimator of reverse KL from the teacher's log-prob of the sampled
 per micro-batch: verl's dynamic batch size (`ppo_max_token_len_per_gpu`). Fixed response length:
 `rollout.ignore_eos`. Metrics: verl's `file` logger (VERL_FILE_LOGGER_PATH), one JSON line per step:
 timing_s/gen, timing_s/update_actor (+ timing_s/old_log_prob where verl runs it), timing_s/update_weights,
-timing_s/step, response_length/mean, perf/max_memory_allocated_gb.
+timing_s/step, response_length/mean, actor/perf/max_memory_allocated_gb.
 
 Attention without the flash-attn package (the GPU machine has none): verl builds the student's HF config
 with `override_config.attn_implementation`, flash_attention_2 unless set (verl/workers/config/model.py,
@@ -54,6 +54,8 @@ RAW_TEMPLATE = "{% for message in messages %}{{ message.content }}{% endfor %}"
 NOTES = ("teacher scoring runs per sample inside generation (overlapped); train = update_actor + "
          "old_log_prob; tokens = mean response length x samples; attention: sdpa on padded micro-batches "
          "(no flash-attn on the machine)")
+# the trainer's peak as verl 0.9.1 logs it
+MEMORY_KEY = "actor/perf/max_memory_allocated_gb"
 # what the machine's transformers can build without the flash-attn package
 ATTENTION = "sdpa"
 ZERO_REWARD = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -143,7 +145,7 @@ def rows_from_log(w: Workload, path: str, version: str) -> list[StepRow]:
             if "timing_s/step" not in data:
                 continue
             train = data.get("timing_s/update_actor", 0.0) + data.get("timing_s/old_log_prob", 0.0)
-            memory = data.get("perf/max_memory_allocated_gb")
+            memory = data.get(MEMORY_KEY)
             rows.append(StepRow(
                 runner="verl", step=len(rows), warmup=len(rows) < w.warmup_steps,
                 step_s=data["timing_s/step"],
@@ -152,7 +154,7 @@ def rows_from_log(w: Workload, path: str, version: str) -> list[StepRow]:
                 response_tokens=round(data["response_length/mean"] * w.sequences_per_step),
                 objective=objective(w),
                 peak_memory_gib=[round(memory, 2)] if memory is not None else None,
-                memory_source="verl perf/max_memory_allocated_gb (trainer)" if memory is not None else "",
+                memory_source=f"verl {MEMORY_KEY} (trainer)" if memory is not None else "",
                 version=version, notes=NOTES))
     return rows
 

@@ -74,7 +74,8 @@
 #                                         # the peers' wheels installed first: tools/gpu/README.md): per step
 #                                         # TRL's generate calls, sequences and response tokens (its notes)
 #   bash tools/gpu/lane.sh peers_verl     # verl's row alone (0.6B <- 1.7B, top-64, 2 GPUs: trainer | teacher
-#                                         # server; verl, Ray and the peers' wheels installed first)
+#                                         # server; verl, Ray and the peers' wheels installed first; ~9 min:
+#                                         # verl starts in ~7, so give it a call of its own)
 #   bash tools/gpu/lane.sh train_stage    # the product's train stage alone against the engine's packed step
 #                                         # on the same tokens (0.6B, 128 x <=256 + prompts, top-64, 16K per
 #                                         # micro-batch; 1 GPU, makes the model), then profiler tables of both
@@ -521,7 +522,7 @@ case "${1:-}" in
         "peers' and Ray's wheels (tools/gpu/README.md, Against other trainers)"; exit 1; }
     d=/tmp/peers_verl/0.6b_from_1.7b_top-64_2gpu/verl
     python3 -m opkd_mcore.cli bench peers --runners verl --pairs 0.6b:1.7b --teacher topk:64 --gpus 2 \
-        --make-models --timeout 480 --out /tmp/peers_verl --results "$OUT/results.jsonl" "${@:2}" \
+        --make-models --timeout 570 --out /tmp/peers_verl --results "$OUT/results.jsonl" "${@:2}" \
         > "$OUT/bench_peers_verl.log" 2>&1
     cp "$d/verl.log" "$OUT/peers_verl_run.log" 2>/dev/null
     cp "$d/verl_metrics.jsonl" "$OUT/peers_verl_metrics.jsonl" 2>/dev/null
