@@ -198,6 +198,48 @@ def test_verl_rows_read_the_stages_and_the_trainers_memory_from_verls_metrics(tm
     assert rows[1].peak_memory_gib == [52.1] and "max_memory_allocated_gb" in rows[1].memory_source
 
 
+def test_verl_stopped_at_its_deadline_keeps_the_steps_it_finished_and_says_so():
+    w = bench_peers.Workload(gpus=2)  # 1 warm-up + 5 measured steps
+    rows = [bench_peers.StepRow(runner="verl", step=i, warmup=i == 0, step_s=10.0, response_tokens=1,
+                                objective="o", notes="n") for i in range(5)]
+    kept = bench_peers_verl.rows_at_deadline(w, rows, 540.0)
+    assert [r.step_s for r in kept] == [10.0] * 5
+    assert all(r.notes == "n; stopped at the runner's deadline after 5 of 6 steps: medians over the 4 "
+               "measured steps it finished" for r in kept)
+    with pytest.raises(SystemExit, match="before its first measured step"):
+        bench_peers_verl.rows_at_deadline(w, rows[:1], 540.0)
+
+
+def test_a_runner_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
+    """A peer's trainer starts Ray workers and engines of its own: at the deadline the whole session
+    goes, where killing the runner alone would leave them holding the GPUs."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(120)\n")
+    start = time.monotonic()
+    with pytest.raises(bench_peers.RunnerFailed, match="exited timeout"):
+        bench_peers.run_logged([sys.executable, "-c", script], str(tmp_path / "r.log"), timeout_s=8,
+                               what="sleeper")
+    assert time.monotonic() - start < 30
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is asynchronous; the process is reaped by init
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild), "the runner's own child outlived the deadline"
+    assert bench_peers.run_in_session([sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30) == 3
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_verl_with_one_gpu_and_a_missing_peer_fail_with_what_stopped_them(tmp_path):
     w = bench_peers.Workload(gpus=1)
     with pytest.raises(bench_peers.RunnerFailed, match="needs --gpus 2"):

@@ -30,9 +30,11 @@ notes say it did not do the same generation work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -212,21 +214,32 @@ class GpuMemoryPeak:
         return [round(self.peak_mib[i] / 1024, 2) for i in ids] or None
 
 
+def run_in_session(cmd: list[str], *, timeout_s: float | None, **popen_kwargs) -> int | None:
+    """Run `cmd` in a session of its own; its exit code, or None when `timeout_s` passed first. At the
+    deadline the whole session is killed: a peer's trainer leaves Ray workers and engines behind that
+    would hold the GPUs through the next runner."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+
+
 def run_logged(cmd: list[str], log_path: str, *, env: dict | None = None, timeout_s: float | None = None,
                what: str) -> None:
     """Run `cmd` with its output in `log_path`; a failure raises RunnerFailed with the log's tail."""
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
-                                cwd=ROOT).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_in_session(cmd, timeout_s=timeout_s, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if rc != 0:
         with open(log_path) as f:
             lines = [line.rstrip() for line in f if line.strip()]
-        raise RunnerFailed(f"{what}: {lines[-1] if lines else 'no output'} (exited {rc}; log {log_path})",
+        raise RunnerFailed(f"{what}: {lines[-1] if lines else 'no output'} "
+                           f"(exited {'timeout' if rc is None else rc}; log {log_path})",
                            "\n".join(lines[-25:]))
 
 
@@ -314,14 +327,15 @@ def run_opkd(w: Workload, run_dir: str, ctx: dict) -> list[StepRow]:
 # ------------------------------------------------------------------------------- plain, trl, verl
 
 def _run_child(name: str, script: str, python: str, w: Workload, run_dir: str, ctx: dict,
-               extra_env: dict | None = None) -> list[StepRow]:
-    """A runner that is a script of tools/ run by `python`: it reads workload.json, writes rows.jsonl."""
+               extra_env: dict | None = None, *, partial_ok: bool = False) -> list[StepRow]:
+    """A runner that is a script of tools/ run by `python`: it reads workload.json, writes rows.jsonl.
+    `partial_ok`: the script may stop at its deadline with fewer steps (its rows' notes say so)."""
     env = {**ctx["env"], **(extra_env or {})}
     rows_path = os.path.join(run_dir, "rows.jsonl")
     cmd = [python, os.path.join(ROOT, "tools", script), ctx["workload_path"], ctx["prompts_path"], rows_path]
     run_logged(cmd, os.path.join(run_dir, f"{name}.log"), env=env, timeout_s=ctx["timeout_s"], what=name)
     rows = read_rows(rows_path)
-    if len(rows) != w.total_steps:
+    if len(rows) != w.total_steps and not (partial_ok and any(not r.warmup for r in rows)):
         raise RunnerFailed(f"{name}: {rows_path} has {len(rows)} steps, expected {w.total_steps}")
     return rows
 
@@ -353,10 +367,15 @@ def run_trl(w: Workload, run_dir: str, ctx: dict) -> list[StepRow]:
 # or `trl`; TRL 1.x has it in neither, and verl's actor then fails to build
 VERL_TRL_PROBE = ("import importlib, importlib.util, sys\n"
                   "if importlib.util.find_spec('trl') is None: sys.exit(0)\n"
-                  "try:\n    importlib.import_module('trl.experimental.ppo').AutoModelForCausalLMWithValueHead\n"
+                  "try:\n"
+                  "    importlib.import_module('trl.experimental.ppo').AutoModelForCausalLMWithValueHead\n"
                   "except Exception:\n"
                   "    import trl\n"
                   "    sys.exit(0 if hasattr(trl, 'AutoModelForCausalLMWithValueHead') else 3)")
+
+
+VERL_DEADLINE_ENV = "OPKD_PEERS_VERL_DEADLINE_S"
+VERL_DEADLINE_MARGIN_S = 30.0
 
 
 def check_verl_sees_no_unusable_trl(python: str, env: dict) -> None:
@@ -377,7 +396,11 @@ def run_verl(w: Workload, run_dir: str, ctx: dict) -> list[StepRow]:
                            "(distillation.n_gpus_per_node beside trainer.n_gpus_per_node): it needs --gpus 2")
     python_can_import(ctx["verl_python"], "verl", ctx["env"])
     check_verl_sees_no_unusable_trl(ctx["verl_python"], ctx["env"])
-    return _run_child("verl", "bench_peers_verl.py", ctx["verl_python"], w, run_dir, ctx)
+    # verl takes minutes to start: its runner stops it short of our timeout and keeps the steps it
+    # finished, where our timeout would leave nothing
+    deadline = max(ctx["timeout_s"] - VERL_DEADLINE_MARGIN_S, 1.0)
+    return _run_child("verl", "bench_peers_verl.py", ctx["verl_python"], w, run_dir, ctx,
+                      {VERL_DEADLINE_ENV: f"{deadline:.0f}"}, partial_ok=True)
 
 
 RUN = {"opkd": run_opkd, "plain": run_plain, "trl": run_trl, "verl": run_verl}

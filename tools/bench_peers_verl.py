@@ -40,12 +40,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_peers, beside this file
 
-from bench_peers import StepRow, Workload, write_rows  # noqa: E402
+from bench_peers import (  # noqa: E402
+    VERL_DEADLINE_ENV,
+    VERL_DEADLINE_MARGIN_S,
+    StepRow,
+    Workload,
+    run_in_session,
+    write_rows,
+)
 
 from opkd_mcore.data import read_records  # noqa: E402
 
@@ -175,11 +182,27 @@ def main(argv=None) -> int:
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": log_path}
     cmd = verl_command(w, data_path, reward_path, run_dir)
     print("$ " + " ".join(cmd), flush=True)
-    rc = subprocess.run(cmd, env=env, cwd=run_dir).returncode
-    if rc != 0:
+    deadline = float(os.environ[VERL_DEADLINE_ENV]) if os.environ.get(VERL_DEADLINE_ENV) else None
+    rc = run_in_session(cmd, timeout_s=deadline, env=env, cwd=run_dir)
+    if rc not in (0, None):
         raise SystemExit(f"verl.trainer.main_ppo exited {rc}")
-    write_rows(rows_path, rows_from_log(w, log_path, f"verl {verl.__version__}"))
+    rows = rows_from_log(w, log_path, f"verl {verl.__version__}")
+    write_rows(rows_path, rows if rc == 0 else rows_at_deadline(w, rows, deadline))
     return 0
+
+
+def rows_at_deadline(w: Workload, rows: list[StepRow], deadline_s: float) -> list[StepRow]:
+    """The steps verl finished before the runner's deadline stopped it, each row saying so; a run
+    stopped before its first measured step is an error."""
+    measured = sum(not r.warmup for r in rows)
+    if not measured:
+        raise SystemExit(f"verl: stopped at the runner's deadline ({deadline_s:.0f} s: --timeout less "
+                         f"{VERL_DEADLINE_MARGIN_S:.0f} s) after {len(rows)} of {w.total_steps} steps, "
+                         "before its first measured step (verl starts in ~7 minutes on a fresh machine: "
+                         "raise --timeout)")
+    note = (f"stopped at the runner's deadline after {len(rows)} of {w.total_steps} steps: medians over "
+            f"the {measured} measured steps it finished")
+    return [replace(r, notes=f"{r.notes}; {note}") for r in rows]
 
 
 if __name__ == "__main__":
