@@ -222,10 +222,17 @@ def run_in_session(cmd: list[str], *, timeout_s: float | None, **popen_kwargs) -
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill_session(proc)
         return None
+    except BaseException:  # Ctrl-C reaches only this process: the session is outside the terminal's group
+        _kill_session(proc)
+        raise
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def run_logged(cmd: list[str], log_path: str, *, env: dict | None = None, timeout_s: float | None = None,
