@@ -20,7 +20,7 @@ from opkd_mcore.config.loader import load_config
 from opkd_mcore.data import ALPHABET
 from opkd_mcore.losses import DenseTeacher, TopKTeacher, kd_loss
 from opkd_mcore.models.tiny import save_tiny_hf_model
-from tools import bench_peers, bench_peers_trl, bench_peers_verl, plain_step
+from tools import bench_peers, bench_peers_process, bench_peers_trl, bench_peers_verl, plain_step
 
 STEP_KEYS = {f.name for f in fields(bench_peers.StepRow)}
 
@@ -180,10 +180,12 @@ def test_verl_command_builds_its_models_with_sdpa_and_no_flash_attn_path():
 VERL_LOG = [
     {"step": 1, "data": {"actor/perf/max_memory_allocated_gb": 48.35, "timing_s/gen": 8.073,
                          "timing_s/old_log_prob": 3.434, "timing_s/update_actor": 2.359,
-                         "timing_s/update_weights": 0.359, "timing_s/step": 50.676, "response_length/mean": 256.0}},
+                         "timing_s/update_weights": 0.359, "timing_s/step": 50.676,
+                         "response_length/mean": 256.0}},
     {"step": 2, "data": {"actor/perf/max_memory_allocated_gb": 52.1, "timing_s/gen": 6.073,
                          "timing_s/old_log_prob": 2.252, "timing_s/update_actor": 1.443,
-                         "timing_s/update_weights": 0.368, "timing_s/step": 10.282, "response_length/mean": 256.0}},
+                         "timing_s/update_weights": 0.368, "timing_s/step": 10.282,
+                         "response_length/mean": 256.0}},
 ]
 
 
@@ -219,8 +221,8 @@ def test_a_runner_past_its_timeout_is_killed_with_everything_it_started(tmp_path
               f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
               "time.sleep(120)\n")
     start = time.monotonic()
-    with pytest.raises(bench_peers.RunnerFailed, match="exited timeout"):
-        bench_peers.run_logged([sys.executable, "-c", script], str(tmp_path / "r.log"), timeout_s=8,
+    with pytest.raises(bench_peers_process.RunnerFailed, match="exited timeout"):
+        bench_peers_process.run_logged([sys.executable, "-c", script], str(tmp_path / "r.log"), timeout_s=8,
                                what="sleeper")
     assert time.monotonic() - start < 30
     grandchild = int(pid_file.read_text())
@@ -229,7 +231,8 @@ def test_a_runner_past_its_timeout_is_killed_with_everything_it_started(tmp_path
             break
         time.sleep(0.1)
     assert not _alive(grandchild), "the runner's own child outlived the deadline"
-    assert bench_peers.run_in_session([sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30) == 3
+    exit_3 = [sys.executable, "-c", "raise SystemExit(3)"]
+    assert bench_peers_process.run_in_session(exit_3, timeout_s=30) == 3
 
 
 def _alive(pid: int) -> bool:

@@ -45,14 +45,8 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_peers, beside this file
 
-from bench_peers import (  # noqa: E402
-    VERL_DEADLINE_ENV,
-    VERL_DEADLINE_MARGIN_S,
-    StepRow,
-    Workload,
-    run_in_session,
-    write_rows,
-)
+from bench_peers import VERL_DEADLINE_ENV, VERL_DEADLINE_MARGIN_S, StepRow, Workload, write_rows  # noqa: E402
+from bench_peers_process import run_in_session  # noqa: E402
 
 from opkd_mcore.data import read_records  # noqa: E402
 
