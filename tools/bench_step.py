@@ -3,6 +3,7 @@
     python tools/bench_step.py [--steps 8] [--prompts 8] [--n 2] [--max-new-tokens 32] [--json out.json]
         [--results runs.jsonl]
     opkd bench step --student DIR --teacher DIR --engines 1 --teachers-with-rollout   (a GPU box)
+    opkd bench step --config configs/gpu_qwen3_8b_from_32b_ray_x8.yaml --out DIR --steps 4   (a run's YAML)
 
 One Ray cluster and one set of actors (trainer ranks, rollout engines, teacher) serve every schedule:
 each run starts from the same initial student (`RayController(groups=...)` resets the trainer), so
@@ -12,8 +13,11 @@ teacher per engine or teacher actor, train, weight sync), their sum, `perf/overl
 the waits, and the largest staleness. An overlapped schedule shows a step shorter than the sum of its stages.
 
 Without --student/--teacher it builds tiny random models (a CPU run, the defaults); with them it uses
-those checkpoints. This script simplifies nothing in the controller: it is `opkd train` with
-`controller.kind=ray`, minus checkpoints and metrics files.
+those checkpoints. With --config it runs that file's models, layout and workload instead (the shape
+options above are refused: a file's value is changed by an override such as `rollout.n=4`), and each
+schedule keeps its run directory's metrics.jsonl (`--out DIR`: DIR/<schedule>). This script simplifies
+nothing in the controller: it is `opkd train` with `controller.kind=ray`, minus checkpoints (and, without
+--config, metrics files).
 """
 from __future__ import annotations
 
@@ -59,10 +63,27 @@ def parse_args(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each vLLM engine's share")
     p.add_argument("--schedules", default=",".join(SCHEDULES),
                    help="comma-separated run.schedule values (colocated placement admits only sync)")
+    p.add_argument("--config", help="a run's YAML (controller.kind ray): its models, layout and workload "
+                                    "instead of the shape options above, which are then refused")
+    p.add_argument("--out", help="root of the schedules' run directories, DIR/<schedule> (default: a new "
+                                 "temporary directory)")
     p.add_argument("--json", help="write the results here")
     add_results_argument(p)
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.config:
+        given = [f"--{dest.replace('_', '-')}" for dest in CONFIG_SETS
+                 if getattr(args, dest) != p.get_default(dest)]
+        if given:
+            p.error(f"{', '.join(given)}: --config {args.config} sets the workload; change it with an "
+                    "override (e.g. rollout.n=4 parallel.tp=2) instead")
+    return args
+
+
+# what a --config file sets instead of these options
+CONFIG_SETS = ("prompts", "n", "max_new_tokens", "micro_batch", "params_dtype", "engines", "tp",
+               "max_staleness", "student", "teacher", "teacher_backend", "hidden", "layers",
+               "teachers_with_rollout", "gpu_memory_utilization")
 
 
 def tiny_models(root: str, hidden: int, layers: int) -> tuple[str, str]:
@@ -74,6 +95,13 @@ def tiny_models(root: str, hidden: int, layers: int) -> tuple[str, str]:
     return (save_tiny_hf_model(os.path.join(root, "student"), "qwen3", shape, seed=1, alphabet=ALPHABET),
             save_tiny_hf_model(os.path.join(root, "teacher"), "qwen3", shape, seed=2, alphabet=ALPHABET,
                                init_std=0.1))
+
+
+def file_overrides(args, out: str) -> list[str]:
+    """--config: the bench's own settings over the file's (steps, no checkpoints, quiet console)."""
+    return [f"run.steps={args.steps}", f"run.output_dir={out}", "controller.kind=ray",
+            "logging.progress_bar=false", "logging.console_every=0", "checkpoint.save_at_end=false",
+            "checkpoint.export_hf_at_end=false", *args.overrides]
 
 
 def config_overrides(args, student: str, teacher: str, out: str) -> list[str]:
@@ -134,12 +162,15 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    root = tempfile.mkdtemp(prefix="bench_step_")
-    student, teacher = args.student, args.teacher
-    if not (student and teacher):
-        student, teacher = tiny_models(root, args.hidden, args.layers)
-    base = config_overrides(args, student, teacher, os.path.join(root, "run"))
-    cfg = load_config(None, base)
+    root = args.out or tempfile.mkdtemp(prefix="bench_step_")
+    if args.config:
+        base = file_overrides(args, os.path.join(root, "run"))
+    else:
+        student, teacher = args.student, args.teacher
+        if not (student and teacher):
+            student, teacher = tiny_models(root, args.hidden, args.layers)
+        base = config_overrides(args, student, teacher, os.path.join(root, "run"))
+    cfg = load_config(args.config, base)
     start = time.perf_counter()
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
              num_cpus=max(os.cpu_count() or 1, int(cpus_needed(cfg, launch_world_size(cfg)) + 1)))
@@ -150,8 +181,8 @@ def main(argv=None) -> int:
         groups = WorkerGroups(cfg, launch_world_size(cfg))
         startup_s = time.perf_counter() - start
         for schedule in args.schedules.split(","):
-            run_cfg = load_config(None, base + [f"run.schedule={schedule}",
-                                                f"run.output_dir={os.path.join(root, schedule)}"])
+            run_cfg = load_config(args.config, base + [f"run.schedule={schedule}",
+                                                       f"run.output_dir={os.path.join(root, schedule)}"])
             history = RayController(run_cfg, groups=groups).run()
             results[schedule] = r = summarize(history)
             # each schedule's row and the JSON as soon as it is done: a later schedule that hangs

@@ -56,8 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--e2e", action="store_true",
                    help="end to end: Megatron export + transfer + load into a running vLLM engine (GPU)")
     p.add_argument("--layout", default="tp1-disagg",
-                   help="--e2e: tp1-disagg | tp1-coloc | tp2-coloc | tp2-disagg (4 GPUs) | ep2-coloc | "
-                        "ep2-disagg (4 GPUs; an MoE student's experts over 2 ranks)")
+                   help="--e2e: tp1-disagg | tp1-coloc | tp2-coloc | tp2-disagg (4 GPUs) | tp4-coloc (4 "
+                        "GPUs) | tp4-disagg (5 GPUs) | ep2-coloc | ep2-disagg (4 GPUs; an MoE student's "
+                        "experts over 2 ranks)")
     p.add_argument("--trainer-cpus", type=int, default=0,
                    help="--e2e: pin the trainer to this many CPUs and the engine to the rest (0: as started)")
     p.add_argument("--model-dir", default=None, help="--e2e: HF checkpoint to use (default: random, --shape)")

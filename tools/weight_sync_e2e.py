@@ -11,6 +11,8 @@ transfer of the same bytes in the same message size is the ceiling:
     tp1-coloc     1 rank on GPU 0        GPU 0         colocated_ipc   IPC copy on GPU 0
     tp2-coloc     2 ranks on GPU 0, 1    GPU 0         colocated_ipc   IPC copy on GPU 0
     tp2-disagg    2 ranks on GPU 2, 3    GPU 0         group (NCCL)    NCCL broadcast GPU 1 -> GPU 0
+    tp4-coloc     4 ranks on GPU 0-3     GPU 0         colocated_ipc   IPC copy on GPU 0
+    tp4-disagg    4 ranks on GPU 4-7     GPU 0         group (NCCL)    NCCL broadcast GPU 1 -> GPU 0
     ep2-coloc     2 ranks on GPU 0, 1    GPU 0         colocated_ipc   IPC copy on GPU 0
     ep2-disagg    2 ranks on GPU 2, 3    GPU 0         group (NCCL)    NCCL broadcast GPU 1 -> GPU 0
 
@@ -55,6 +57,9 @@ LAYOUTS = {
     "tp2-coloc": Layout(2, 0, "colocated_ipc"),
     # 4 GPUs; the peer export's writes cross the interconnect, then the send
     "tp2-disagg": Layout(2, 2, "group"),
+    # 4 and 5 GPUs: the TP=4 students of configs/gpu_qwen3_8b_from_32b_x8.yaml and its Ray variant
+    "tp4-coloc": Layout(4, 0, "colocated_ipc"),
+    "tp4-disagg": Layout(4, 4, "group"),
     "ep2-coloc": Layout(2, 0, "colocated_ipc", "ep"),
     "ep2-disagg": Layout(2, 2, "group", "ep"),  # 4 GPUs
 }

@@ -3,6 +3,7 @@
     python tools/gpu/step_table.py $OUT/train2_*_metrics.jsonl [--skip 1]
     python tools/gpu/step_table.py $OUT/train4_metrics.jsonl --gpus 4 --student /tmp/models/qwen3-8b \\
         --teacher /tmp/models/qwen3-14b --smi $OUT/train4.smi
+    python tools/gpu/step_table.py $OUT/train8_ray_*_metrics.jsonl --shares --gpus 8 --student ...
 
 Means over the steps after the first `--skip` (the first step compiles kernels and captures graphs).
 With `--gpus` a second table gives the per-GPU figures of those steps: response tokens/s per GPU
@@ -11,7 +12,9 @@ response tokens / train seconds / GPUs / peak; N counts the weights of the matmu
 through (the output layer, not the input embedding's lookup), and prompt tokens are left out, so MFU
 is a lower bound. `--smi` (lines `epoch seconds, GPU index, utilization %, used MiB`) adds each GPU's
 mean utilization and peak memory over those steps: the window that ends at the metrics file's last
-write (its mtime: copy it with `cp -p`) and lasts as long as the steps' `timing/step` sum.
+write (its mtime: copy it with `cp -p`) and lasts as long as the steps' `timing/step` sum. `--shares`
+adds each stage's mean time as a share of the mean step; the shares add up to more than 100% where an
+overlapped schedule runs stages side by side.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import statistics
 from opkd_mcore.train.metrics import read_jsonl
 
 COLUMNS = ("timing/rollout", "timing/teacher", "timing/train", "timing/weight_sync", "timing/step")
+STAGES = COLUMNS[:-1]
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM, bf16 dense
 
 
@@ -53,6 +57,22 @@ def summarize(path: str, skip: int) -> str:
     loss = [r["train/loss"] for r in rows if "train/loss" in r]
     cells.append(" ".join(f"{x:.4f}" for x in loss))
     return f"| {path.rsplit('/', 1)[-1]} | {len(rows)} | " + " | ".join(cells) + " |"
+
+
+def shares(path: str, skip: int) -> str:
+    """Each stage's mean seconds over the mean step's, after `skip` steps, and their sum."""
+    rows = _steps(path, skip)
+    if not rows:
+        return f"| {path} | no steps after the first {skip} |"
+    step = statistics.fmean(r["timing/step"] for r in rows)
+    cells, total = [], 0.0
+    for key in STAGES:
+        values = [r[key] for r in rows if key in r]
+        share = 100 * statistics.fmean(values) / step if values else None
+        total += share or 0.0
+        cells.append("-" if share is None else f"{share:.0f}%")
+    return (f"| {path.rsplit('/', 1)[-1]} | {len(rows)} | {step:.2f} | " + " | ".join(cells)
+            + f" | {total:.0f}% |")
 
 
 def model_params(model_dir: str) -> tuple[int, int]:
@@ -125,6 +145,7 @@ def main(argv=None) -> None:
     p.add_argument("--teacher", help="an in-step (dense Megatron) teacher's checkpoint directory, for MFU")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="one GPU's peak, TFLOP/s")
     p.add_argument("--smi", help="nvidia-smi samples: epoch seconds, index, utilization %%, used MiB")
+    p.add_argument("--shares", action="store_true", help="adds each stage's share of the step")
     args = p.parse_args(argv)
     if args.gpus and not args.student:
         p.error("--gpus needs --student (the model FLOPs per token)")
@@ -132,6 +153,11 @@ def main(argv=None) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in args.paths:
         print(summarize(path, args.skip))
+    if args.shares:
+        print("\n| run | steps | step s | rollout | teacher | train | weight sync | sum of stages |")
+        print("|" + " --- |" * 8)
+        for path in args.paths:
+            print(shares(path, args.skip))
     if not args.gpus:
         return
     n_student = model_params(args.student)[1]
