@@ -42,6 +42,7 @@ EXTENDED = {
     # the benchmark tools' smoke tests that start engines: their table logic is tested without them
     "tests/test_bench_peers.py::test_opkd_runner_reads_its_stages_from_metrics",
     "tests/test_bench_tools.py::test_bench_step_reuses_its_actors_across_schedules",
+    "tests/test_config_x8.py::test_bench_step_runs_a_config_files_workload_and_keeps_each_schedules_metrics",
     # SequentialMLP (model.moe_experts: sequential) keeps Qwen3-MoE at EP=2 (logits, export, training
     # and resume); the other families' SequentialMLP layout is the same module
     "tests/test_models_moe.py::test_logits_match_hf[mixtral-ep2seq]",
