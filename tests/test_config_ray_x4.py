@@ -19,6 +19,7 @@ from opkd_mcore.controller.groups import WorkerGroups
 from opkd_mcore.controller.placement import Placement
 from opkd_mcore.models.tiny import NAMED_SHAPES
 from tests._hf_config import hf_checkpoint
+from tests._ray_gpus import cluster_declaring_gpus, gpus_of
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "gpu_qwen3_8b_from_14b_ray_x4.yaml")
@@ -58,31 +59,9 @@ def test_check_accepts_the_config(models, tmp_path, capsys, monkeypatch, layout)
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray = pytest.importorskip("ray")
-    # declared GPUs: Ray hands out their ids to actors exactly as on a GPU host
-    ray.init(num_cpus=6, num_gpus=4, include_dashboard=False, log_to_driver=False)
-    try:
+    pytest.importorskip("ray")
+    with cluster_declaring_gpus(num_gpus=4, num_cpus=6) as ray:
         yield ray
-    finally:
-        ray.shutdown()
-
-
-class _Probe:
-    def gpu_ids(self) -> list[int]:
-        import ray
-
-        return sorted(int(i) for i in ray.get_gpu_ids())
-
-
-def _gpus_of(ray, slots) -> list[tuple[int, ...]]:
-    """The GPU ids an actor placed in each slot gets."""
-    probe = ray.remote(_Probe)
-    actors = [probe.options(**slot.actor_options("cuda")).remote() for slot in slots]
-    try:
-        return [tuple(ids) for ids in ray.get([a.gpu_ids.remote() for a in actors], timeout=60)]
-    finally:
-        for actor in actors:
-            ray.kill(actor)
 
 
 @pytest.mark.parametrize("layout", [[], H100_LAYOUT], ids=["2+1+1", "3+1"])
@@ -91,7 +70,7 @@ def test_placement_on_four_gpus_keeps_the_groups_apart(cluster, models, tmp_path
     world = launch_world_size(cfg)
     placement = Placement(cfg, world, timeout_s=60)
     try:
-        trainer, rollout, teacher = (_gpus_of(cluster, slots) for slots in
+        trainer, rollout, teacher = (gpus_of(cluster, slots) for slots in
                                      (placement.trainer, placement.rollout, placement.teachers))
         transport = WorkerGroups.transport(SimpleNamespace(cfg=cfg, placement=placement))
     finally:

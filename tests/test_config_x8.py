@@ -32,6 +32,7 @@ from opkd_mcore.models.tiny import NAMED_SHAPES
 from opkd_mcore.teacher.serve import _parser as serve_parser
 from opkd_mcore.train.preflight import preflight
 from tests._hf_config import hf_checkpoint
+from tests._ray_gpus import cluster_declaring_gpus, gpus_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVED = os.path.join(ROOT, "configs", "gpu_qwen3_8b_from_32b_x8.yaml")
@@ -143,31 +144,9 @@ def test_check_accepts_the_ray_config(models, tmp_path, capsys, monkeypatch, sch
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray = pytest.importorskip("ray")
-    # declared GPUs: Ray hands out their ids to actors exactly as on a GPU host
-    ray.init(num_cpus=GPUS + 2, num_gpus=GPUS, include_dashboard=False, log_to_driver=False)
-    try:
+    pytest.importorskip("ray")
+    with cluster_declaring_gpus(num_gpus=GPUS, num_cpus=GPUS + 2) as ray:
         yield ray
-    finally:
-        ray.shutdown()
-
-
-class _Probe:
-    def gpu_ids(self) -> list[int]:
-        import ray
-
-        return sorted(int(i) for i in ray.get_gpu_ids())
-
-
-def _gpus_of(ray, slots) -> list[tuple[int, ...]]:
-    """The GPU ids an actor placed in each slot gets."""
-    probe = ray.remote(_Probe)
-    actors = [probe.options(**slot.actor_options("cuda")).remote() for slot in slots]
-    try:
-        return [tuple(ids) for ids in ray.get([a.gpu_ids.remote() for a in actors], timeout=120)]
-    finally:
-        for actor in actors:
-            ray.kill(actor)
 
 
 def test_ray_placement_on_eight_gpus_keeps_the_groups_apart(cluster, models, tmp_path):
@@ -175,7 +154,7 @@ def test_ray_placement_on_eight_gpus_keeps_the_groups_apart(cluster, models, tmp
     world = launch_world_size(cfg)
     placement = Placement(cfg, world, timeout_s=60)
     try:  # one actor per slot, all started at once
-        ids = _gpus_of(cluster, placement.trainer + placement.rollout + placement.teachers)
+        ids = gpus_of(cluster, placement.trainer + placement.rollout + placement.teachers)
         transport = WorkerGroups.transport(SimpleNamespace(cfg=cfg, placement=placement))
     finally:
         placement.remove()
