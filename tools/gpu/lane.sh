@@ -205,16 +205,18 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rfEs --tb=short "${targets[@]}" \
         ${COLLECT_ONLY:+--collect-only} \
         --ignore-glob 'tests/test_controller_*' 2>&1 | tee "$OUT/tests.log" ;;
-  tests1)
+  tests1)  # one GPU: demo, fused LM head, kernels, models (~450 s on an H200 with TE)
     bash "$0" tests tests/test_demo.py tests/test_fused_linear_kd_gpu.py tests/test_fused_linear_kd_served.py \
         tests/test_kernels_gpu.py tests/test_models_gpu.py tests/test_models_grouped_experts_gpu.py \
-        tests/test_models_moe_e2e.py tests/test_rollout_vllm.py tests/test_rollout_engine_modes.py ;;
+        tests/test_models_moe_e2e.py ;;
+  tests6)  # one GPU: the rollout engine (sampling, seeds, engine modes)
+    bash "$0" tests tests/test_rollout_vllm.py tests/test_rollout_engine_modes.py ;;
   tests2)
     bash "$0" tests tests/test_teacher_vllm.py tests/test_teacher_remote.py ;;
-  tests5)  # one GPU: the device top-k teacher and its server, self- and cross-tokenizer distillation,
-          # the peers harness
-    bash "$0" tests tests/test_teacher_device_topk.py tests/test_teacher_score_server.py \
-        tests/test_self_teacher.py tests/test_demo_self_distill.py tests/test_demo_cross_tokenizer.py \
+  tests5)  # one GPU: the device top-k teacher and its server, the self teacher (2-GPU cases: tests_pair6)
+    bash "$0" tests tests/test_teacher_device_topk.py tests/test_teacher_score_server.py tests/test_self_teacher.py ;;
+  tests7)  # one GPU: the self- and cross-tokenizer demos, the served cross-tokenizer teacher, the peers harness
+    bash "$0" tests tests/test_demo_self_distill.py tests/test_demo_cross_tokenizer.py \
         tests/test_cross_tokenizer_served.py tests/test_bench_peers.py ;;
   tests_pair)  # the tests that one GPU skips (2 ranks: Megatron-student weight-sync layouts, EP=2, TP/PP=2 train)
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py tests/test_models_moe_e2e.py \
@@ -235,6 +237,8 @@ case "${1:-}" in
   tests_pair5)  # Transformer Engine on 2 GPUs: context parallelism, TP=2 with sequence parallelism and
                 # recompute against one GPU (skipped without TE)
     bash "$0" tests tests/test_context_parallel_gpu.py ;;
+  tests_pair6)  # tests5's 2-GPU cases: a TP=2 device top-k teacher, the self teacher in a PP=2 step
+    bash "$0" tests tests/test_teacher_device_topk.py tests/test_self_teacher.py -k "tp2_engine or pp2" ;;
   tests_quad)  # what two GPUs skip (4 ranks: the TP=2 x PP=2 student's sync and training); nvidia-h100-x4
     bash "$0" tests tests/test_weight_sync_vllm.py tests/test_train_integration.py -k "tp2pp2" ;;
   tests_x4|tests_x2)  # the GPU suite in few calls on a 4-GPU (2-GPU) machine; own logs per step
@@ -242,15 +246,16 @@ case "${1:-}" in
       tests_x4:a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
       tests_x4:b) jobs=("0:tests3" "1:tests4" "2,3:tests_pair2") ;;
       tests_x4:c) jobs=("0,1:tests_aborts+tests_pair4" "2,3:tests_pair3") ;;
-      tests_x4:d) jobs=("0:tests5" "2,3:tests_pair5") ;;
+      tests_x4:d) jobs=("0:tests5" "1:tests6+tests7" "2,3:tests_pair5+tests_pair6") ;;
       tests_x2:a) jobs=("0:tests3" "1:tests1") ;;
       tests_x2:b) jobs=("0,1:tests_pair1") ;;
       tests_x2:c) jobs=("0:tests2" "1:tests4") ;;
       tests_x2:d) jobs=("0,1:tests_pair2") ;;
       tests_x2:e) jobs=("0,1:tests_aborts+tests_pair4") ;;
       tests_x2:f) jobs=("0,1:tests_pair3") ;;
-      tests_x2:g) jobs=("0:tests5") ;;
-      tests_x2:h) jobs=("0,1:tests_pair5") ;;
+      tests_x2:g) jobs=("0:tests5" "1:tests6") ;;
+      tests_x2:h) jobs=("0,1:tests_pair5+tests_pair6") ;;
+      tests_x2:i) jobs=("0:tests7") ;;
       *) echo "$1: no part ${2}" >&2; exit 2 ;;
     esac
     pids=()
