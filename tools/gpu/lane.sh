@@ -199,11 +199,13 @@ start_smi_sampler() {  # every GPU's utilization and memory twice a second into 
 case "${1:-}" in
   tests)
     targets=("${@:2}"); [ ${#targets[@]} -eq 0 ] && targets=(tests/)
-    # SIGINT at the deadline: pytest then still prints its summary of the failures so far;
+    # SIGINT at the deadline: pytest then still prints its summary of the failures so far; each test's
+    # outcome on a line of its own (-v) keeps what ran in the log of a call killed before the summary;
     # COLLECT_ONLY=1 lists what a step would run (`pytest -m runbook`: the parts cover the whole suite)
+    verbosity=-v; [ -n "${COLLECT_ONLY:-}" ] && verbosity=-q
     timeout -s INT -k 20 "${TESTS_DEADLINE:-3000}" \
-    python3 -m pytest -q -p no:cacheprovider -m "gpu or vllm" --timeout 900 -rfEs --tb=short "${targets[@]}" \
-        ${COLLECT_ONLY:+--collect-only} \
+    python3 -m pytest "$verbosity" -p no:cacheprovider -m "gpu or vllm" --timeout 900 \
+        -rfEs --tb=short "${targets[@]}" ${COLLECT_ONLY:+--collect-only} \
         --ignore-glob 'tests/test_controller_*' 2>&1 | tee "$OUT/tests.log" ;;
   tests1)  # one GPU: demo, fused LM head, kernels, models (~450 s on an H200 with TE)
     bash "$0" tests tests/test_demo.py tests/test_fused_linear_kd_gpu.py tests/test_fused_linear_kd_served.py \
