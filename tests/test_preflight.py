@@ -145,6 +145,25 @@ def test_student_without_a_tokenizer_is_refused(tmp_path, models):
     assert line.startswith(f"model.student: {bare!r} has no tokenizer")
 
 
+def test_a_hub_id_whose_tokenizer_cannot_be_fetched_is_refused_by_its_key(tmp_path, models, monkeypatch,
+                                                                          capsys):
+    """A hub id (validation knows its shape) on a machine without the Hub: the run's first read, the
+    student's tokenizer, names the key and says what to pass instead; nothing started, nothing written."""
+    import huggingface_hub.constants
+
+    from opkd_mcore.train.components import load_train_data
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network, no cache
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    path = write_config(tmp_path, models, "model.student=Qwen/Qwen3-0.6B")
+    expected = "model.student: cannot load the tokenizer of 'Qwen/Qwen3-0.6B' from the Hugging Face Hub"
+    with pytest.raises(ConfigError, match=expected):
+        load_train_data(load_config(path))  # the run's own first step (`build_run`)
+    assert launch.main(["--config", path, "--check"]) == 2
+    assert f"opkd train: error: {expected}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "run")
+
+
 # ---- output directory and data ------------------------------------------------------------------------
 
 def test_output_dir_that_is_a_file_is_refused_by_key(tmp_path, models):

@@ -105,6 +105,21 @@ def load_tokenizer_info(path_key: str, model: str, cache: dict) -> TokenizerInfo
     return cache[model]
 
 
+def load_run_tokenizer(path_key: str, model: str):
+    """The tokenizer a run reads `model` with: a local checkpoint's files, or a hub id's, fetched by
+    transformers. One that cannot be loaded (an offline machine cannot fetch a hub id) is a
+    `ConfigError` naming the key, raised before any engine starts."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        where = ("its checkpoint directory" if os.path.isdir(model) else
+                 "the Hugging Face Hub (a hub id: without access to the Hub, pass a checkpoint directory)")
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{path_key}: cannot load the tokenizer of {model!r} from {where}: {reason}") from None
+
+
 def check_student_vocab(shape: dict | None, tok: TokenizerInfo | None) -> None:
     if shape and tok and tok.size > shape["vocab"]:
         raise ConfigError(f"model.student: the tokenizer has {tok.size} tokens but config.json's "

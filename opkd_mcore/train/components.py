@@ -12,6 +12,7 @@ import logging
 import os
 
 from opkd_mcore.config.loss_rules import teacher_kind, teacher_output
+from opkd_mcore.config.model_checks import load_run_tokenizer
 from opkd_mcore.config.schema import OptimSection, TrainConfig
 from opkd_mcore.data import Overlong, PromptSampler, build_train_set
 from opkd_mcore.data.rewards import TaskRewards
@@ -195,9 +196,7 @@ def load_train_data(cfg: TrainConfig):
     """(student tokenizer, the prompts to sample from, the skipped ones), before any engine starts:
     every row of the data files checked and every prompt measured against the rollout's context
     (`data.build_train_set`; a `DataError` names each bad row). Both launch paths call it."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.student)
+    tokenizer = load_run_tokenizer("model.student", cfg.model.student)
     train_set, skipped = build_train_set(cfg, tokenizer)
     return tokenizer, train_set, skipped
 

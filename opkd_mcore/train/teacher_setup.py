@@ -22,6 +22,7 @@ import functools
 import logging
 
 from opkd_mcore.config.loss_rules import cross_tokenizer_mode, runs_in_step
+from opkd_mcore.config.model_checks import load_run_tokenizer
 from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
 from opkd_mcore.config.validate import teacher_output
 from opkd_mcore.engine.self_teacher import CurrentWeightsTeacher, EmaTeacher
@@ -125,10 +126,8 @@ def build_scoring_teacher(cfg: TrainConfig, student_vocab: int | None = None, ro
 def cross_tokenizer_scorer(cfg: TrainConfig) -> CrossTokenizerScorer:
     """The run's one teacher (validation allows one) behind the re-tokenizing wrapper; a megatron
     teacher scores in the step, so the wrapper then only builds its sequences."""
-    from transformers import AutoTokenizer
-
     t = cfg.teacher.teachers[0]
-    teacher_tok = AutoTokenizer.from_pretrained(t.model)
+    teacher_tok = load_run_tokenizer("teacher.teachers.0.model", t.model)
     inner = None
     if t.backend != "megatron":   # the server must accept every teacher id the wrapper may send
         replicas = _replicas(t, cfg, len(teacher_tok))
@@ -139,7 +138,7 @@ def cross_tokenizer_scorer(cfg: TrainConfig) -> CrossTokenizerScorer:
     logger.info("teacher %s across tokenizers (loss.cross_tokenizer: %s): %s teacher %s, its tokenizer "
                 "(%d ids) read from %s", t.name, cross_tokenizer_mode(cfg.loss.cross_tokenizer), t.backend,
                 where, len(teacher_tok), t.model)
-    return CrossTokenizerScorer(inner, AutoTokenizer.from_pretrained(cfg.model.student), teacher_tok,
+    return CrossTokenizerScorer(inner, load_run_tokenizer("model.student", cfg.model.student), teacher_tok,
                                 chat_template=cfg.data.chat_template, name=t.name, k=cfg.loss.k,
                                 temperature=cfg.loss.temperature,
                                 max_len=cfg.rollout.max_model_len if t.backend == "vllm" else None)
