@@ -34,6 +34,16 @@ def test_bad_server_config_names_the_option(tmp_path, kw, match):
         server_command(TeacherServerConfig(**{"model": str(tmp_path), **kw}))
 
 
+def test_cli_refuses_a_bad_option_with_one_line_and_exit_2(tmp_path):
+    """`opkd teacher-serve` with a model that is no checkpoint: one error line naming the option, no
+    traceback, no server started."""
+    out = subprocess.run([sys.executable, "-m", "opkd_mcore.cli", "teacher-serve", "--model",
+                          str(tmp_path / "missing"), "--k", "8"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (f"opkd teacher-serve: error: model: expected a checkpoint directory, "
+                                  f"got {str(tmp_path / 'missing')!r}")
+
+
 def test_server_command_binds_the_given_host(tmp_path):
     cmd = server_command(TeacherServerConfig(model=str(tmp_path), host="0.0.0.0", port=8001))
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"

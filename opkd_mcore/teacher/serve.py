@@ -204,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                               served_model_name=args.served_model_name, extra_args=extra,
                               output=args.output, scoring=args.scoring,
                               gpu_memory_utilization=args.gpu_memory_utilization)
-    cmd = server_command(cfg)
+    try:
+        cmd = server_command(cfg)
+    except ValueError as err:  # an option's problem is the user's to fix: the message names it
+        print(f"opkd teacher-serve: error: {err}", file=sys.stderr)
+        return 2
     print(" ".join(cmd), flush=True)
     if args.dry_run:
         return 0
