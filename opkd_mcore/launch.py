@@ -59,7 +59,9 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as err:
         # a config problem is the user's to fix: the message names the key, a traceback adds nothing
-        print(f"opkd train: error: {err}", file=sys.stderr)
+        missing = isinstance(err, FileNotFoundError) and err.filename == args.config
+        print(f"opkd train: error: {f'--config: no such file {args.config!r}' if missing else err}",
+              file=sys.stderr)
         return 2
     if is_rank0():
         print(dump_config(cfg))

@@ -239,6 +239,12 @@ def test_check_refuses_a_bad_config_with_its_key(tmp_path, models, capsys):
     assert capsys.readouterr().err.strip() == "opkd train: error: optim.lr: expected a number, got str 'fast'"
 
 
+def test_a_missing_config_file_is_named_with_its_option(tmp_path, capsys):
+    missing = str(tmp_path / "missing.yaml")
+    assert launch.main(["--config", missing]) == 2
+    assert capsys.readouterr().err.strip() == f"opkd train: error: --config: no such file {missing!r}"
+
+
 @pytest.mark.parametrize("controller", ["torchrun", "ray"])
 def test_a_run_is_checked_before_its_launcher_starts_anything(tmp_path, models, capsys, controller):
     """Without --check the same checks run first: an unsupported student never reaches an engine."""
