@@ -87,6 +87,13 @@ def test_bench_kernels_profile_writes_the_kernel_table(tmp_path):
     assert "FusedKdLoss" in table and "# of Calls" in table
 
 
+def test_bench_weight_sync_refuses_an_e2e_option_without_e2e():
+    proc = subprocess.run([sys.executable, "tools/bench_weight_sync.py", "--layout", "tp2-coloc", "--layers", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "error: --layout, --layers: only with --e2e" in proc.stderr
+
+
 def test_bench_weight_sync_row_verifies_the_copy_and_orders_both_ends_marks(tmp_path):
     """The standalone sync benchmark over gloo: the receiver's model holds the sender's values, and
     the last sync's timeline has every mark of both ends, in the order the protocol allows."""

@@ -38,6 +38,9 @@ SHAPES = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+E2E_OPTIONS = ("layout", "trainer_cpus", "model_dir", "layers", "tp_export", "profile")  # --e2e's alone
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="tiny", help=f"model shape: {', '.join(SHAPES)} or H,L,I,V,heads,kv,hd")
@@ -67,7 +70,12 @@ def parse_args(argv=None):
     p.add_argument("--tp-export", default="auto", help="--e2e: weight_sync.tp_export (auto | gather | peer)")
     p.add_argument("--profile", default=None,
                    help="--e2e: profile one more sync, tables to PREFIX_rank{r}.txt")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    e2e_only = [f"--{name.replace('_', '-')}" for name in E2E_OPTIONS
+                if getattr(args, name) != p.get_default(name)]
+    if e2e_only and not args.e2e:
+        p.error(f"{', '.join(e2e_only)}: only with --e2e (the raw two-process benchmark has no engine)")
+    return args
 
 
 def model_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -181,8 +189,10 @@ def _free_port() -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.e2e:
-        from weight_sync_e2e import print_row, run_e2e
+        from weight_sync_e2e import LAYOUTS, print_row, run_e2e
 
+        if args.layout not in LAYOUTS:
+            raise SystemExit(f"--layout: expected one of {', '.join(LAYOUTS)}, got {args.layout!r}")
         row = run_e2e(args)
         print_row(row)
         record(args.results, row["meta"], [{k: v for k, v in row.items() if k != "meta"}], table=False)
