@@ -87,6 +87,27 @@ def test_bench_kernels_profile_writes_the_kernel_table(tmp_path):
     assert "FusedKdLoss" in table and "# of Calls" in table
 
 
+@pytest.mark.parametrize("tool, argv, message", [
+    ("bench_step", ["--schedules", "sync,nope"], "--schedules: expected some of sync, one_step_off"),
+    ("bench_teacher", ["--ks", "20,0"], "--ks: expected an integer >= 1, got '0'"),
+    ("bench_teacher", ["--paths", "device,logits"], "--paths: expected some of prompt_logprobs, device"),
+    ("bench_models", ["--layers", "0"], "--layers: expected an integer >= 1, got '0'"),
+])
+def test_bench_tools_refuse_bad_options_before_any_work(tool, argv, message, monkeypatch, capsys):
+    import importlib
+
+    module = importlib.import_module(f"tools.{tool}")
+    monkeypatch.setattr(sys, "argv", [f"{tool}.py", *argv])  # bench_models reads sys.argv
+    with pytest.raises(SystemExit) as exit_:
+        module.parse_args(*([] if tool == "bench_models" else [argv]))
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_tools_parse_their_list_options():
+    assert bench_common.positive_ints("20,64") == [20, 64]
+    assert bench_common.choices_list(("a", "b"))("b,a") == ["b", "a"]
+
+
 def test_bench_weight_sync_refuses_an_e2e_option_without_e2e():
     proc = subprocess.run([sys.executable, "tools/bench_weight_sync.py", "--layout", "tp2-coloc", "--layers", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

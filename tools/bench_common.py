@@ -16,6 +16,7 @@ from a terminal. A copy of the tree without `.git` (the lent GPU machine) reads 
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -161,6 +162,33 @@ def run_metadata(device: str | None = None, **extra) -> dict[str, object]:
             **git_commit(), "device": device or device_name(), "versions": library_versions(),
             "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
             "argv": sys.argv[1:], **extra}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a shape, a count); anything else is refused before any work."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1 (`20,64,256`)."""
+    return [positive_int(part) for part in text.split(",")]
+
+
+def choices_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse type: comma-separated names, each one of `allowed`."""
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"expected some of {', '.join(allowed)}, got {text!r}")
+        return names
+    return parse
 
 
 def add_results_argument(parser) -> None:

@@ -36,22 +36,22 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_models_moe, bench_common
 
-from bench_common import add_results_argument, record, run_metadata, time_it  # noqa: E402
+from bench_common import add_results_argument, positive_int, record, run_metadata, time_it  # noqa: E402
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=2048, help="hidden size")
-    p.add_argument("--layers", type=int, default=16, help="decoder layers")
-    p.add_argument("--heads", type=int, default=16, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dimension")
-    p.add_argument("--ffn", type=int, default=6144, help="SwiGLU intermediate size")
-    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
-    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per step")
+    p.add_argument("--hidden", type=positive_int, default=2048, help="hidden size")
+    p.add_argument("--layers", type=positive_int, default=16, help="decoder layers")
+    p.add_argument("--heads", type=positive_int, default=16, help="query heads")
+    p.add_argument("--kv-heads", type=positive_int, default=8, help="key/value heads (GQA)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dimension")
+    p.add_argument("--ffn", type=positive_int, default=6144, help="SwiGLU intermediate size")
+    p.add_argument("--vocab", type=positive_int, default=151936, help="vocabulary size")
+    p.add_argument("--seq", type=positive_int, default=4096, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per step")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps")
-    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size)")
     p.add_argument("--out", default=None, help="JSON output path (rank 0)")
     add_results_argument(p)
@@ -61,9 +61,9 @@ def parse_args():
     p.add_argument("--etp", type=int, default=None,
                    help="--moe: expert tensor-parallel size, each expert's FFN split over it (parallel.etp; "
                         "default: --tp)")
-    p.add_argument("--experts", type=int, default=128, help="--moe: routed experts")
-    p.add_argument("--topk", type=int, default=8, help="--moe: experts per token")
-    p.add_argument("--moe-ffn", type=int, default=768, help="--moe: FFN size of one expert")
+    p.add_argument("--experts", type=positive_int, default=128, help="--moe: routed experts")
+    p.add_argument("--topk", type=positive_int, default=8, help="--moe: experts per token")
+    p.add_argument("--moe-ffn", type=positive_int, default=768, help="--moe: FFN size of one expert")
     p.add_argument("--aux-coef", type=float, default=1e-3, help="--moe: router load-balancing loss weight")
     p.add_argument("--moe-experts", default="auto",
                    help="--moe: comma-separated experts implementations (model.moe_experts: auto, "

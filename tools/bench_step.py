@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, beside this file
 
-from bench_common import add_results_argument, percentiles, record, run_metadata  # noqa: E402
+from bench_common import add_results_argument, choices_list, percentiles, record, run_metadata  # noqa: E402
 
 SCHEDULES = ("sync", "one_step_off", "two_step_off", "async")
 COLUMNS = (("step", "timing/step"), ("rollout", "timing/rollout"), ("teacher", "timing/teacher"),
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--teachers-with-rollout", action="store_true",
                    help="the teacher shares the rollout engine's device (2 GPUs: student | rollout+teacher)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each vLLM engine's share")
-    p.add_argument("--schedules", default=",".join(SCHEDULES),
+    p.add_argument("--schedules", type=choices_list(SCHEDULES), default=",".join(SCHEDULES),
                    help="comma-separated run.schedule values (colocated placement admits only sync)")
     p.add_argument("--config", help="a run's YAML (controller.kind ray): its models, layout and workload "
                                     "instead of the shape options above, which are then refused")
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     try:
         groups = WorkerGroups(cfg, launch_world_size(cfg))
         startup_s = time.perf_counter() - start
-        for schedule in args.schedules.split(","):
+        for schedule in args.schedules:
             run_cfg = load_config(args.config, base + [f"run.schedule={schedule}",
                                                        f"run.output_dir={os.path.join(root, schedule)}"])
             history = RayController(run_cfg, groups=groups).run()

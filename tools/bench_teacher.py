@@ -41,7 +41,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, beside this file
 
-from bench_common import add_results_argument, record, run_metadata, time_it  # noqa: E402
+from bench_common import (add_results_argument, choices_list, positive_int, positive_ints,  # noqa: E402
+                          record, run_metadata, time_it)
 
 INPROCESS_PATHS = ("prompt_logprobs", "device", "hidden")
 
@@ -49,15 +50,15 @@ INPROCESS_PATHS = ("prompt_logprobs", "device", "hidden")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="teacher HF checkpoint (default: make a tiny one)")
-    p.add_argument("--ks", default="20,64,256", help="comma-separated top-k values")
-    p.add_argument("--num-seqs", type=int, default=32, help="sequences per scoring call")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--ks", type=positive_ints, default="20,64,256", help="comma-separated top-k values")
+    p.add_argument("--num-seqs", type=positive_int, default=32, help="sequences per scoring call")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed calls per configuration (after 1 warm-up; p20 / p50 / p80 reported)")
-    p.add_argument("--batch-size", type=int, default=8, help="remote: sequences per HTTP request")
-    p.add_argument("--concurrency", type=int, default=4, help="remote: HTTP requests in flight")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="remote: sequences per HTTP request")
+    p.add_argument("--concurrency", type=positive_int, default=4, help="remote: HTTP requests in flight")
     p.add_argument("--timeout-s", type=float, default=900, help="remote: per-request timeout")
-    p.add_argument("--paths", default=",".join(INPROCESS_PATHS),
+    p.add_argument("--paths", type=choices_list(INPROCESS_PATHS), default=",".join(INPROCESS_PATHS),
                    help=f"in-process scoring paths to time, comma-separated, of {','.join(INPROCESS_PATHS)}")
     p.add_argument("--dtype", default="float32", help="engines' dtype (bfloat16 on a GPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
@@ -176,7 +177,7 @@ def bench_remote(model_dir, seqs, ks, repeats, batch_size, concurrency, timeout_
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = args.ks
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or make_model(tmp)
         from transformers import AutoConfig
@@ -185,11 +186,7 @@ def main(argv=None) -> int:
         seqs = make_sequences(args.num_seqs, args.seq_len, vocab)
         rows = []
         if not args.skip_inprocess:
-            paths = [p for p in args.paths.split(",") if p]
-            unknown = sorted(set(paths) - set(INPROCESS_PATHS))
-            if unknown:
-                raise SystemExit(f"--paths: unknown {unknown}; expected some of {INPROCESS_PATHS}")
-            rows += bench_inprocess(model_dir, seqs, ks, args.repeats, paths, args.dtype,
+            rows += bench_inprocess(model_dir, seqs, ks, args.repeats, args.paths, args.dtype,
                                     args.gpu_memory_utilization)
         if not args.skip_remote:
             remote = (model_dir, seqs, ks, args.repeats, args.batch_size, args.concurrency, args.timeout_s)
