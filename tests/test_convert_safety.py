@@ -173,3 +173,22 @@ def test_an_output_path_that_is_a_file_is_refused(tmp_path):
     with pytest.raises(FileExistsError, match="not a directory"):
         check_output_dir(str(tmp_path / "out"), force=True)
     assert (tmp_path / "out").read_text() == "notes"
+
+
+@pytest.mark.parametrize("size", ["lots", "0", "0KB"])
+def test_a_shard_size_that_is_no_size_is_refused_naming_the_option(tmp_path, capsys, size):
+    with pytest.raises(SystemExit) as exit_:
+        convert_main(["mcore-to-hf", "--mcore-dir", str(tmp_path), "--out", str(tmp_path / "out"),
+                      "--max-shard-size", size])
+    assert exit_.value.code == 2
+    assert f"--max-shard-size: expected a size such as 4GB, 500MB or a byte count, got {size!r}" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_shard_sizes_read_with_their_units():
+    parse = build_parser().parse_args
+    sizes = [parse(["mcore-to-hf", "--mcore-dir", "m", "--out", "o", "--max-shard-size", text]).max_shard_size
+             for text in ("300KB", "1.5gb", "4096")]
+    assert sizes == [300 << 10, int(1.5 * (1 << 30)), 4096]
+    assert parse(["mcore-to-hf", "--mcore-dir", "m", "--out", "o"]).max_shard_size == 4 << 30

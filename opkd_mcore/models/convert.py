@@ -344,13 +344,20 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, tp: int = 1, pp: int = 
            os.path.abspath(out_dir), tp, pp, vpp, device, max_shard_bytes, ep, etp)
 
 
-def _parse_size(text: str) -> int:
-    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
-    text = text.strip().upper()
-    for suffix, scale in units.items():
-        if text.endswith(suffix):
-            return int(float(text[:-len(suffix)]) * scale)
-    return int(text)
+def shard_size(text: str) -> int:
+    """argparse type of --max-shard-size: a byte count, or a number with KB / MB / GB (`4GB`, `500MB`)."""
+    number, scale = text.strip().upper(), 1
+    for suffix, unit in {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}.items():
+        if number.endswith(suffix):
+            number, scale = number[:-len(suffix)], unit
+            break
+    try:
+        size = int(float(number) * scale)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GB, 500MB or a byte count, got {text!r}")
+    return size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -360,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config + safetensors)")
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
     to_hf.add_argument("--mcore-dir", required=True, help="checkpoint written by hf-to-mcore or training")
-    to_hf.add_argument("--max-shard-size", default="4GB", help="largest safetensors file (e.g. 4GB, 500MB)")
+    to_hf.add_argument("--max-shard-size", type=shard_size, default="4GB",
+                       help="largest safetensors file (e.g. 4GB, 500MB)")
     for p in (to_mcore, to_hf):
         p.add_argument("--out", required=True, help="output directory: new or empty (or see --force); never "
                        "an input, inside one or around one")
@@ -386,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             convert_mcore_to_hf(args.mcore_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
                                 force=args.force, device=args.device,
-                                max_shard_bytes=_parse_size(args.max_shard_size), ep=args.ep,
+                                max_shard_bytes=args.max_shard_size, ep=args.ep,
                                 etp=args.etp)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"opkd convert: error: {err}", file=sys.stderr)
