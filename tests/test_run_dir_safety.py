@@ -102,7 +102,8 @@ def test_resume_and_overwrite_together_are_refused(cli, capsys):
 
 @pytest.fixture
 def demo_main(monkeypatch):
-    """`opkd demo`'s `main`; building anything (the first config load) raises `Built`."""
+    """`opkd demo`'s `main`; building anything (the task, its first step once the config is checked and
+    --out accepted) raises `Built`."""
     from opkd_mcore.demo import run as demo_run
 
     class Built(Exception):
@@ -111,7 +112,7 @@ def demo_main(monkeypatch):
     def first_build_step(*args, **kwargs):
         raise Built
 
-    monkeypatch.setattr(demo_run, "load_config", first_build_step)
+    monkeypatch.setattr(demo_run, "make_task", first_build_step)
     return demo_run.main, Built
 
 
@@ -130,6 +131,18 @@ def test_demo_refuses_an_earlier_demos_directory_and_overwrite_replaces_only_its
     with pytest.raises(built):
         main(["--quick", "--out", str(out), "--overwrite"])
     assert sorted(_tree(out)) == ["my_data/prompts.jsonl", "notes.txt"]
+
+
+@pytest.mark.parametrize("variant", ["distill", "cross_tokenizer", "self_distill"])
+def test_demo_with_a_bad_override_value_stops_before_touching_out(demo_main, tmp_path, capsys, variant):
+    """A value the config refuses ends the demo before anything is built, and before --overwrite
+    removes an earlier demo's output."""
+    main, _ = demo_main
+    out = tmp_path / "demo"
+    _write(str(out / "summary.json"))
+    assert main(["--variant", variant, "--quick", "--out", str(out), "--overwrite", "loss.divergence=kl"]) == 2
+    assert "loss.divergence: expected one of" in capsys.readouterr().err
+    assert sorted(_tree(out)) == ["summary.json"]
 
 
 def test_demo_refuses_an_out_that_is_a_file(demo_main, tmp_path, capsys):

@@ -130,7 +130,6 @@ def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = Non
     """The demo into `out`; `overwrite` replaces an earlier demo's output there."""
     start = time.perf_counter()
     out = os.path.abspath(out)
-    prepare_demo_dir(out, overwrite)
     paths = {name: os.path.join(out, name) for name in ("teacher_init", "teacher_hf", "student_init",
                                                         "student_hf")}
     overrides = [f"model.student={paths['student_init']}", f"teacher.teachers.0.model={paths['teacher_hf']}",
@@ -142,8 +141,9 @@ def run_demo(demo: DemoConfig, out: str, extra_overrides: list[str] | None = Non
         accel = accelerator_overrides(cfg.teacher.teachers[0].top_k)
         logger.info("demo: accelerator run, teacher inside the student's step (%s)", " ".join(accel))
         overrides += accel
-        cfg = load_config(demo_config_path(), overrides + user, validate=False)
     overrides += user
+    cfg = load_config(demo_config_path(), overrides, check_files=False)  # a bad override: before any work
+    prepare_demo_dir(out, overwrite)
     _, train_records, held_out = make_task(demo, cfg.data)
     os.makedirs(out, exist_ok=True)
     write_eval_file(os.path.join(out, "eval.jsonl"), held_out)
@@ -173,13 +173,13 @@ def run_cross_tokenizer_demo(demo: DemoConfig, out: str, extra_overrides: list[s
     glues to the next digit), the distillation across them."""
     start = time.perf_counter()
     out = os.path.abspath(out)
-    prepare_demo_dir(out, overwrite)
     paths = {name: os.path.join(out, name) for name in ("teacher_init", "teacher_hf", "char_init", "char_hf",
                                                         "student_init", "student_hf")}
     overrides = [f"model.student={paths['student_init']}", f"teacher.teachers.0.model={paths['teacher_hf']}",
                  f"run.output_dir={out}", f"data.task_digits={demo.digits}", f"data.num_eval={demo.num_eval}",
                  *demo.overrides, *(extra_overrides or [])]
-    cfg = load_config(demo_config_path(), overrides, validate=False)
+    cfg = load_config(demo_config_path(), overrides, check_files=False)  # a bad override: before any work
+    prepare_demo_dir(out, overwrite)
     _, train_records, held_out = make_task(demo, cfg.data)
     os.makedirs(out, exist_ok=True)
     write_eval_file(os.path.join(out, "eval.jsonl"), held_out)

@@ -124,7 +124,6 @@ def run_self_distill_demo(demo: SelfDistillDemo, out: str, extra_overrides: list
     """The variant into `out`; `overwrite` replaces an earlier demo's output there."""
     start = time.perf_counter()
     out = os.path.abspath(out)
-    prepare_demo_dir(out, overwrite)
     paths = {name: os.path.join(out, name) for name in ("model_init", "student_init", "student_hf")}
     task = AdditionTask(demo.digits)
     overrides = [f"model.student={paths['student_init']}", f"run.output_dir={out}",
@@ -132,7 +131,8 @@ def run_self_distill_demo(demo: SelfDistillDemo, out: str, extra_overrides: list
                  f"data.num_train={min(demo.num_train, task.num_problems - demo.num_eval)}",
                  f"data.teacher_prompt_template='{TEACHER_PROMPT_TEMPLATE}'", *demo.overrides,
                  *(extra_overrides or [])]  # the user's last: they win
-    cfg = load_config(config_path(), overrides, validate=False)
+    cfg = load_config(config_path(), overrides, check_files=False)  # a bad override: before any work
+    prepare_demo_dir(out, overwrite)
     train_records, held_out = task.splits(cfg.data.num_train, cfg.data.num_eval, seed=cfg.data.seed)
     train_records, held_out = with_context(train_records), with_context(held_out)
     os.makedirs(out, exist_ok=True)
