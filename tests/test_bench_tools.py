@@ -314,3 +314,27 @@ def test_bench_models_moe_fusions_without_transformer_engine_is_an_error_naming_
     monkeypatch.setattr(sys, "argv", ["bench_models.py", "--moe", "--moe-fusions"])
     with pytest.raises(SystemExit, match="--moe-fusions: .*Transformer Engine is not importable"):
         _run_one(bench_models.parse_args(), 1, "sequential")
+
+
+def test_make_model_never_writes_into_a_directory_it_did_not_make(tmp_path, capsys):
+    """`tools/make_model.py --out` a user's directory (a real checkpoint, say) is refused, --force too,
+    every file unchanged; its own output, even half-written, is replaced with --force."""
+    from tools import make_model
+
+    mine = tmp_path / "Qwen3-8B"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    (mine / "model.safetensors").write_bytes(b"weights")
+    for force, says in (([], "already exists and is not empty"), (["--force"], "has no .opkd_make_model marker")):
+        with pytest.raises(SystemExit) as exit_:
+            make_model.main(["--shape", "qwen3-0.6b", "--out", str(mine), *force])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "model.safetensors"]
+    assert (mine / "model.safetensors").read_bytes() == b"weights"
+    half = tmp_path / "made"  # a call stopped after the marker and before the weights
+    half.mkdir()
+    (half / make_model.MARKER_FILE).write_text("qwen3-0.6b\n")
+    (half / "stale.safetensors").write_bytes(b"x")
+    assert make_model.main(["--shape", "qwen3-0.6b", "--layers", "1", "--dtype", "fp32", "--out", str(half),
+                            "--force"]) == 0
+    assert not (half / "stale.safetensors").exists() and (half / "tokenizer_config.json").is_file()

@@ -20,7 +20,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from opkd_mcore.data import ALPHABET  # noqa: E402
+from opkd_mcore.models.convert import check_output_dir  # noqa: E402
 from opkd_mcore.models.tiny import NAMED_SHAPES, named_shape, save_tiny_hf_model  # noqa: E402
+
+MARKER_FILE = ".opkd_make_model"  # written first into --out: what --force may replace (a half-written one too)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -35,8 +38,18 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="where the random init runs (cuda: seconds for 8B)")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers instead of the shape's own (e.g. 8 of Qwen3-30B-A3B's 48)")
+    p.add_argument("--force", action="store_true",
+                   help=f"replace an --out this tool wrote (it holds {MARKER_FILE}); any other non-empty "
+                        "directory is refused, never deleted")
     args = p.parse_args(argv)
-    family, shape = named_shape(args.shape, args.layers)
+    try:
+        family, shape = named_shape(args.shape, args.layers)
+        check_output_dir(args.out, args.force, marker=MARKER_FILE)
+    except (ValueError, FileExistsError) as err:
+        p.error(str(err))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, MARKER_FILE), "w") as f:
+        f.write(f"{args.shape}\n")
     start = time.perf_counter()
     save_tiny_hf_model(args.out, family, shape, seed=args.seed, alphabet=ALPHABET,
                        init_std=args.init_std, dtype=DTYPES[args.dtype], device=args.device)

@@ -225,20 +225,21 @@ def check_disjoint(out_dir: str, inputs: dict[str, str]) -> None:
                          f"write the output to a directory of its own, outside every input")
 
 
-def check_output_dir(out_dir: str, force: bool) -> None:
-    """Refuse to overwrite; `force` replaces only a directory this tool wrote (it holds MARKER_FILE)."""
+def check_output_dir(out_dir: str, force: bool, marker: str = MARKER_FILE) -> None:
+    """Refuse to overwrite; `force` replaces only a directory this tool wrote (it holds `marker`, the
+    file the tool writes first: `opkd convert`'s, or `tools/make_model.py`'s)."""
     if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         return
     if not os.path.isdir(out_dir):
         raise FileExistsError(f"out: {out_dir!r} exists and is not a directory")
-    ours = os.path.isfile(os.path.join(out_dir, MARKER_FILE))
+    ours = os.path.isfile(os.path.join(out_dir, marker))
     if not force:
         hint = ("pass --force to replace it" if ours else
-                f"it is not a checkpoint written by this tool (no {MARKER_FILE}), choose another --out")
+                f"it is not a checkpoint written by this tool (no {marker}), choose another --out")
         raise FileExistsError(f"out: {out_dir!r} already exists and is not empty; {hint}")
     if not ours:
         raise FileExistsError(f"out: {out_dir!r} is not a checkpoint written by this tool (it has no "
-                              f"{MARKER_FILE} marker); --force replaces only those, and never an HF "
+                              f"{marker} marker); --force replaces only those, and never an HF "
                               f"checkpoint or a directory it did not write: remove it yourself")
     if os.path.islink(out_dir):
         raise FileExistsError(f"out: {out_dir!r} is a symbolic link; --force replaces only a directory "

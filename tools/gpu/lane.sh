@@ -122,7 +122,7 @@ make_x4_models() {  # the 8B student's and 14B teacher's checkpoints at once on 
   for gpu in 0 1; do
     shape=qwen3-8b; [ $gpu = 1 ] && shape=qwen3-14b
     [ -f /tmp/models/$shape/tokenizer_config.json ] && continue
-    CUDA_VISIBLE_DEVICES=$gpu python3 tools/make_model.py --shape $shape --out /tmp/models/$shape \
+    CUDA_VISIBLE_DEVICES=$gpu python3 tools/make_model.py --force --shape $shape --out /tmp/models/$shape \
         --seed $((gpu + 1)) --device cuda > "$OUT/make_$shape.log" 2>&1 &
   done
   wait
@@ -139,7 +139,7 @@ make_x8_models() {  # the 8B student's and the 32B teacher's checkpoints (16 + 6
     gpu=0
     for shape in qwen3-8b qwen3-32b; do
       [ -f /tmp/models/$shape/tokenizer_config.json ] || CUDA_VISIBLE_DEVICES=$gpu \
-          python3 tools/make_model.py --shape $shape --out /tmp/models/$shape --seed $((gpu + 1)) \
+          python3 tools/make_model.py --force --shape $shape --out /tmp/models/$shape --seed $((gpu + 1)) \
           --device cuda > /tmp/models/make_$shape.log 2>&1 &
       gpu=$((gpu + 1))
     done
@@ -288,7 +288,7 @@ case "${1:-}" in
         tests/test_weight_sync_moe_direct.py -k "hidden or policy or resume or ep2 or moe_direct" ;;
   e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
         # (an 8B run takes several minutes: engine start, loading 16 GB, raw transfer; give it >= 280 s)
-    [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --shape "$2" --out "/tmp/models/$2" --device cuda
+    [ -d "/tmp/models/$2" ] || python3 tools/make_model.py --force --shape "$2" --out "/tmp/models/$2" --device cuda
     b=${BUCKET_MB:-1024}; log="$OUT/e2e_$2_$3_$b${TAG:-}"
     python3 tools/bench_weight_sync.py --e2e --shape "$2" --layout "$3" --model-dir "/tmp/models/$2" \
         --bucket-mb "$b" --iters 5 --json "$log.json" --results "$OUT/results.jsonl" "${@:4}" > "$log.log" 2>&1
@@ -307,8 +307,8 @@ case "${1:-}" in
       timeout 280 bash "$0" e2e $run
     done ;;
   models)
-    python3 tools/make_model.py --shape qwen3-0.6b --out /tmp/models/qwen3-0.6b --seed 1 --device cuda
-    python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 --device cuda ;;
+    python3 tools/make_model.py --force --shape qwen3-0.6b --out /tmp/models/qwen3-0.6b --seed 1 --device cuda
+    python3 tools/make_model.py --force --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 --device cuda ;;
   train1)
     t=${TAG:-}
     gpu_memory_log "$OUT/train1_vllm$t.log" python3 -m opkd_mcore.cli train --config $CFG \
@@ -490,7 +490,7 @@ case "${1:-}" in
             # (experts split over GPUs 0 and 1, engine on GPU 0); MOE_LAYOUTS to choose, extra arguments
             # go to the tool; ~5 minutes on two H100s with the model made
     l=${MOE_LAYERS:-8}; m=/tmp/models/qwen3-30b-a3b-${l}l
-    [ -d "$m" ] || python3 tools/make_model.py --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
+    [ -d "$m" ] || python3 tools/make_model.py --force --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
     for layout in ${MOE_LAYOUTS:-tp1-disagg ep2-coloc}; do
       log="$OUT/e2e_moe${l}l_$layout${TAG:-}"
       timeout 270 python3 tools/bench_weight_sync.py --e2e --shape qwen3-30b-a3b --layout "$layout" \
@@ -504,9 +504,9 @@ case "${1:-}" in
               # rollout engine and the 1.7B vLLM teacher (top-64) on GPU 0; models made if missing
     t=${TAG:-}; big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
     l=${MOE_LAYERS:-$([ "${big:-0}" -ge 102400 ] && echo 8 || echo 4)}; m=/tmp/models/qwen3-30b-a3b-${l}l
-    [ -d "$m" ] || python3 tools/make_model.py --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
+    [ -d "$m" ] || python3 tools/make_model.py --force --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
     [ -d /tmp/models/qwen3-1.7b ] || \
-        python3 tools/make_model.py --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 --device cuda
+        python3 tools/make_model.py --force --shape qwen3-1.7b --out /tmp/models/qwen3-1.7b --seed 2 --device cuda
     echo "MoE student: $m ($l layers; GPU 0 has $big MiB)" | tee "$OUT/train_moe$t.info"
     gpu_memory_log "$OUT/train_moe$t.log" python3 -m torch.distributed.run --nproc_per_node 2 \
         -m opkd_mcore.cli train --config configs/gpu_qwen3_30b_a3b_from_1.7b.yaml model.student="$m" \
@@ -534,9 +534,9 @@ case "${1:-}" in
                       # MOE_LAYERS of its layers, default 8; EP=1, the experts module model.moe_experts picks),
                       # then the same run with the dense 1.7B Megatron teacher in the step; models made if missing
     t=${TAG:-}; l=${MOE_LAYERS:-8}; m=/tmp/models/qwen3-30b-a3b-${l}l
-    [ -d "$m" ] || python3 tools/make_model.py --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
+    [ -d "$m" ] || python3 tools/make_model.py --force --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
     for shape in qwen3-0.6b qwen3-1.7b; do
-      [ -d /tmp/models/$shape ] || python3 tools/make_model.py --shape $shape --out /tmp/models/$shape --device cuda
+      [ -d /tmp/models/$shape ] || python3 tools/make_model.py --force --shape $shape --out /tmp/models/$shape --device cuda
     done
     for teacher in "$m" /tmp/models/qwen3-1.7b; do
       tag=$(basename "$teacher")
@@ -608,7 +608,7 @@ case "${1:-}" in
     cp "$d/steps.jsonl" "$OUT/peers_verl_steps.jsonl" 2>/dev/null
     grep -E "^\|" "$OUT/bench_peers_verl.log" || tail -40 "$OUT/bench_peers_verl.log" ;;
   train_stage)  # train_stage on fresh / the same samples vs engine.train_step on the same micro-batches
-    [ -f /tmp/models/qwen3-0.6b/config.json ] || python3 tools/make_model.py --shape qwen3-0.6b \
+    [ -f /tmp/models/qwen3-0.6b/config.json ] || python3 tools/make_model.py --force --shape qwen3-0.6b \
         --out /tmp/models/qwen3-0.6b --seed 1 --device cuda > "$OUT/train_stage_model.log" 2>&1
     python3 tools/bench_train_stage.py --model /tmp/models/qwen3-0.6b --profile \
         --results "$OUT/results.jsonl" > "$OUT/train_stage.log" 2>&1 \
