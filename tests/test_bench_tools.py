@@ -92,6 +92,8 @@ def test_bench_kernels_profile_writes_the_kernel_table(tmp_path):
     ("bench_teacher", ["--ks", "20,0"], "--ks: expected an integer >= 1, got '0'"),
     ("bench_teacher", ["--paths", "device,logits"], "--paths: expected some of prompt_logprobs, device"),
     ("bench_models", ["--layers", "0"], "--layers: expected an integer >= 1, got '0'"),
+    ("bench_train_step", ["--impls", "fused,triton"], "--impls: expected some of fused, reference"),
+    ("bench_peers", ["--runners", "opkd,nope"], "--runners: expected some of opkd, plain, trl, verl"),
 ])
 def test_bench_tools_refuse_bad_options_before_any_work(tool, argv, message, monkeypatch, capsys):
     import importlib
@@ -248,7 +250,6 @@ def test_bench_step_reuses_its_actors_across_schedules(tmp_path):
     (["--cp", "2"], 1, "--tp 1 x --cp 2 does not divide the 1 ranks"),
     (["--tp", "1", "--sequence-parallel"], 2, "--sequence-parallel: needs tp > 1"),
     (["--cp", "2"], 2, "need Transformer Engine on a GPU"),
-    (["--impls", "fused,triton"], 1, "--impls: expected fused and/or reference"),
 ])
 def test_bench_train_step_refuses_a_layout_that_cannot_run_before_any_group_forms(argv, world, message,
                                                                                    monkeypatch):

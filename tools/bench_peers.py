@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, 
 
 import bench_common  # noqa: E402
 import torch  # noqa: E402
-from bench_common import ROOT, percentiles, print_table, record, run_metadata  # noqa: E402
+from bench_common import ROOT, choices_list, percentiles, print_table, record, run_metadata  # noqa: E402
 from bench_peers_process import (  # noqa: E402
     GpuMemoryPeak,
     RunnerFailed,
@@ -414,7 +414,7 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="the workload (Workload fields, their defaults; --set FIELD=VALUE changes one):\n"
                + Workload.describe())
-    p.add_argument("--runners", default="opkd,plain,trl,verl",
+    p.add_argument("--runners", type=choices_list(RUNNERS), default="opkd,plain,trl,verl",
                    help=f"comma-separated, of {','.join(RUNNERS)}")
     p.add_argument("--pairs", default="0.6b:1.7b,1.7b:4b",
                    help=f"student:teacher shapes ({','.join(PAIR_SHAPES)}), "
@@ -538,10 +538,7 @@ def run_pair(pair: str, w: Workload, runners: list[str], args, physical_gpus: li
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    runners = args.runners.split(",")
-    unknown = [r for r in runners if r not in RUNNERS]
-    if unknown:
-        raise SystemExit(f"--runners: unknown {unknown}; expected some of {', '.join(RUNNERS)}")
+    runners = args.runners
     physical = visible_gpus()
     if physical and len(physical) < args.gpus:
         raise SystemExit(f"--gpus {args.gpus}: only {len(physical)} GPU(s) visible ({','.join(physical)})")

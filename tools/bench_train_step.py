@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, beside this file
 
-from bench_common import add_results_argument, record, run_metadata, time_it  # noqa: E402
+from bench_common import add_results_argument, choices_list, record, run_metadata, time_it  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--fusions", default="auto", choices=("auto", "on", "off"),
                    help="Megatron's fused SwiGLU and fused RoPE (TE's kernel): auto = as opkd builds the "
                         "model (on where Transformer Engine builds it, models.builder.kernel_fusions)")
-    p.add_argument("--impls", default="fused,reference",
+    p.add_argument("--impls", type=choices_list(("fused", "reference")), default="fused,reference",
                    help="loss implementations to time, comma-separated (reference materialises fp32 logits)")
     p.add_argument("--iters", type=int, default=5, help="timed steps per implementation")
     p.add_argument("--out", default=None, help="write the results here as JSON")
@@ -124,9 +124,6 @@ def check_layout(args, world: int) -> int:
     if (args.cp > 1 or args.sequence_parallel) and not transformer_engine_usable():
         raise SystemExit(f"--cp {args.cp} / --sequence-parallel: need Transformer Engine on a GPU "
                          "(the transformer_engine package was not found, or the device is the CPU)")
-    unknown = set(args.impls.split(",")) - {"fused", "reference"}
-    if unknown:
-        raise SystemExit(f"--impls: expected fused and/or reference, got {sorted(unknown)}")
     return tp
 
 
@@ -161,7 +158,7 @@ def main(argv=None) -> int:
     # the loss alone runs on this CP rank's share, as it does inside the step
     own = shard_batch(batch, args.cp, ps.get_context_parallel_rank()) if args.cp > 1 else batch
     rows = []
-    for impl in args.impls.split(","):
+    for impl in args.impls:
         loss = LossSection(impl=impl, support="teacher" if args.k else None)
         plan = resolve_loss_plan(loss, device=engine.device, dtype=engine.params_dtype,
                                  teacher_kind="topk" if args.k else "dense")
