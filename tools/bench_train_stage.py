@@ -7,11 +7,14 @@ prompt and up to `--response` tokens, top-`--k` teacher rows on the host, as the
 them over, `--max-tokens` per micro-batch) on a student loaded from `--model`, and times, a row each:
 
 * `stage_fresh`: `train_stage` on new samples every step (new lengths: what the product sees);
+* `engine_fresh`: `engine.train_step` on the same new samples, packed before the clock starts (the
+  engine's own step on the tokens `stage_fresh` trains on, new lengths included);
 * `stage_same`: `train_stage` on the same samples every step (the packing, fixed shapes);
 * `engine`: `engine.train_step` on the same micro-batches, packed once (the engine's own step).
 
-`stage_fresh - stage_same` is what new shapes cost (attention plans, allocator), `stage_same - engine`
-the host's packing and copies. Beside each row: host syncs are not counted here (the CPU test
+`stage_fresh - engine_fresh` (and `stage_same - engine`) is what the product adds to the engine: the
+host's packing and copies; `engine_fresh - engine` is what new shapes cost the engine itself
+(attention plans, allocator). `vs_engine` divides each row by its engine row on the same samples. Beside each row: host syncs are not counted here (the CPU test
 `tests/test_train_stage_syncs.py` does), but the caching allocator's device mallocs and retries and
 Python's garbage collections during the timed steps are. `--profile` prints a torch profiler table
 (CPU and CUDA time by op, top 25) of two steps of `stage_fresh` and of `engine`.
@@ -91,7 +94,11 @@ class _GcClock:
 
 
 def timed(name: str, step, steps: int) -> dict:
-    """One warm-up call of `step(i)`, then `steps` timed ones (device drained around each)."""
+    """One warm-up call of `step(i)`, then `steps` timed ones (device drained around each). Each row
+    starts with the caching allocator emptied, so rows on the same new samples meet their shapes
+    equally new."""
+    gc.collect()
+    torch.cuda.empty_cache()
     step(-1)
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
@@ -155,16 +162,22 @@ def main(argv=None) -> int:
     def stage_fresh(i):
         train_stage(engine, fresh[i + 1 if i < 100 else args.steps + 1 + i - 100], plan, par, shard, group)
 
+    packed_fresh = {i: pack_micro_batches(fresh[i + 1], par, shard) for i in range(-1, args.steps)}
+
+    def engine_fresh(i):
+        step_batches, step_counts = packed_fresh[i]
+        engine.train_step(step_batches, make_loss_fn(plan, step_counts, group), fused_lm_head=plan.fused_lm_head)
+
     def stage_same(i):
         train_stage(engine, same, plan, par, shard, group)
 
     def engine_step(i):
         engine.train_step(batches, loss_fn, fused_lm_head=plan.fused_lm_head)
 
-    rows = [timed("stage_fresh", stage_fresh, args.steps), timed("stage_same", stage_same, args.steps),
-            timed("engine", engine_step, args.steps)]
-    for r in rows:
-        r["vs_engine"] = round(r["p50_s"] / rows[-1]["p50_s"], 3)
+    rows = [timed("stage_fresh", stage_fresh, args.steps), timed("engine_fresh", engine_fresh, args.steps),
+            timed("stage_same", stage_same, args.steps), timed("engine", engine_step, args.steps)]
+    for r, base in zip(rows, (rows[1], rows[1], rows[3], rows[3])):
+        r["vs_engine"] = round(r["p50_s"] / base["p50_s"], 3)
     tokens = sum(b.num_tokens for b in batches)
     meta = run_metadata(device=torch.cuda.get_device_name(), seqs=args.seqs, response=args.response,
                         k=args.k, max_tokens=args.max_tokens, tokens=tokens, micro_batches=len(batches),

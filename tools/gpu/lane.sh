@@ -10,14 +10,10 @@
 #   TESTS_DEADLINE=540 bash tools/gpu/lane.sh tests_pair   # what one GPU skips (2 GPUs; >9 minutes),
 #                                         # or tests_pair1 .. tests_pair4, tests_aborts
 #   bash tools/gpu/lane.sh tests_quad     # what two GPUs skip (4 ranks; nvidia-h100-x4)
-#   bash tools/gpu/lane.sh tests_x4 a     # the GPU suite on 4 GPUs in three calls, parts side by side:
-#   bash tools/gpu/lane.sh tests_x4 b     # a: tests1 (GPU 0), tests2 (GPU 1), tests_pair1 (GPUs 2-3);
-#   bash tools/gpu/lane.sh tests_x4 c     # b: tests3, tests4, tests_pair2; c: tests_aborts then tests_pair4,
-#                                         # tests_pair3; d: tests5, tests_pair5
-#   bash tools/gpu/lane.sh tests_x2 a     # on 2 GPUs in six calls: a: tests3 (GPU 0) beside tests1
-#                                         # (GPU 1); b: tests_pair1; c: tests2 beside tests4;
-#                                         # d: tests_pair2; e: tests_aborts then tests_pair4; f: tests_pair3;
-#                                         # g: tests5; h: tests_pair5
+#   bash tools/gpu/lane.sh tests_x4 a     # the GPU suite on 4 GPUs in five calls (a to e), parts side by
+#                                         # side; tests_x2 a to i on 2 GPUs (tools/gpu/README.md lists them)
+#   bash tools/gpu/lane.sh tests_on 0:tests6 1:tests5 2,3:tests_pair3+tests_pair4   # any parts, each job
+#                                         # on its GPUs, a job's parts one after the other
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
 #   bash tools/gpu/lane.sh train1         # opkd train on 1 GPU: vLLM teacher, then dense Megatron teacher
 #   TAG=_off bash tools/gpu/lane.sh train1 loss.fused_lm_head=off   # the same with overrides, own log names
@@ -248,7 +244,8 @@ case "${1:-}" in
       tests_x4:a) jobs=("0:tests1" "1:tests2" "2,3:tests_pair1") ;;
       tests_x4:b) jobs=("0:tests3" "1:tests4" "2,3:tests_pair2") ;;
       tests_x4:c) jobs=("0,1:tests_aborts+tests_pair4" "2,3:tests_pair3") ;;
-      tests_x4:d) jobs=("0:tests5" "1:tests6+tests7" "2,3:tests_pair5+tests_pair6") ;;
+      tests_x4:d) jobs=("0:tests5" "1:tests6" "2,3:tests_pair5+tests_pair6") ;;
+      tests_x4:e) jobs=("0:tests7") ;;
       tests_x2:a) jobs=("0:tests3" "1:tests1") ;;
       tests_x2:b) jobs=("0,1:tests_pair1") ;;
       tests_x2:c) jobs=("0:tests2" "1:tests4") ;;
@@ -260,8 +257,12 @@ case "${1:-}" in
       tests_x2:i) jobs=("0:tests7") ;;
       *) echo "$1: no part ${2}" >&2; exit 2 ;;
     esac
+    bash "$0" tests_on "${jobs[@]}" ;;
+  tests_on)  # tests_on GPUS:PART[+PART...] ...: parts side by side, each job on its GPUs, a job's parts one
+             # after the other (each its own deadline, TESTS_DEADLINE), e.g. tests_on 0:tests6 1:tests5 2,3:tests_pair3
+    [ $# -ge 2 ] || { echo "tests_on: expected GPUS:PART[+PART...] arguments" >&2; exit 2; }
     pids=()
-    for job in "${jobs[@]}"; do  # GPUS:PART or GPUS:PART+PART (one after the other, each its own deadline)
+    for job in "${@:2}"; do
       ( IFS=+; for part in ${job#*:}; do
           OUT="$OUT/$part" CUDA_VISIBLE_DEVICES=${job%%:*} TESTS_DEADLINE=${TESTS_DEADLINE:-540} \
               bash "$0" "$part" > /dev/null 2>&1
@@ -269,7 +270,7 @@ case "${1:-}" in
       pids+=($!)
     done
     wait "${pids[@]}"
-    for job in "${jobs[@]}"; do
+    for job in "${@:2}"; do
       (IFS=+; for part in ${job#*:}; do echo "$part: $(tail -n 1 "$OUT/$part/tests.log")"; done)
     done ;;
   controller2)  # the Ray controller on two GPUs: peer export and device IPC with one visible GPU per actor,
