@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from opkd_mcore.data import ALPHABET
@@ -84,9 +85,12 @@ def test_served_teacher_across_tokenizers_matches_the_in_process_teacher(models,
                                      scoring=scoring, gpu_memory_utilization=ENGINE_MEMORY)
     server_log = str(models["root"] / f"server_{scoring}.log")
     local_name, served_name = f"in_process_{scoring}", f"served_{scoring}"
+    local_teacher = {"backend": "vllm", "dtype": "float32", "scoring": scoring}
     with TeacherServer(server_cfg, log_path=server_log, env=ENV) as server:
-        # the reference run while the server starts (both mostly wait on imports and engine start-up)
-        local_proc = _train(models, local_name, {"backend": "vllm", "dtype": "float32", "scoring": scoring})
+        # on CPU the reference run goes while the server starts (both mostly wait on imports and engine
+        # start-up); on a GPU engines start one at a time: vLLM's start-up measures the device's free
+        # memory, and another engine allocating or freeing meanwhile fails it ("Error in memory profiling")
+        local_proc = None if torch.cuda.is_available() else _train(models, local_name, local_teacher)
         try:
             try:
                 server.wait_ready(timeout_s=600)
@@ -95,9 +99,10 @@ def test_served_teacher_across_tokenizers_matches_the_in_process_teacher(models,
                     pytest.fail(f"teacher server did not start:\n{f.read()[-3000:]}")
             served, served_log = _finish(models, served_name, _train(models, served_name, {
                 "backend": "remote", "url": server.url, "scoring": scoring}))
+            local_proc = local_proc or _train(models, local_name, local_teacher)
             local, _ = _finish(models, local_name, local_proc)
         finally:
-            if local_proc.poll() is None:
+            if local_proc is not None and local_proc.poll() is None:
                 local_proc.kill()
                 local_proc.wait()
     assert f"pairs across tokenizers (loss.cross_tokenizer: gold): remote teacher served at {server.url}" \

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from opkd_mcore.models.builder import transformer_engine_usable
 from tests._dist import run_distributed
 from tests.test_engine import (
     CLIP,
@@ -168,10 +169,10 @@ def references(hf_dirs):
     return {(f, c): hf_reference(hf_dirs[f], c) for f, _, c, _ in CASES.values()}
 
 
-def _check_steps(history, ref):
+def _check_steps(history, ref, loss_rtol=2e-4):
     losses = [h["train/loss"] for h in history]
     assert losses[-1] < losses[0], f"loss did not go down: {losses}"
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["loss"]), rtol=2e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["loss"]), rtol=loss_rtol, atol=1e-5)
     torch.testing.assert_close(torch.tensor([h["train/grad_norm"] for h in history]),
                                torch.tensor(ref["grad_norm"]), rtol=2e-3, atol=1e-5)
     assert all(h["train/update_applied"] == 1.0 for h in history)
@@ -223,12 +224,17 @@ def test_moe_checkpoint_resume_reproduces_steps(trained, name):
 
 # ----------------------------------------------------------------------------- GPU lane
 NCCL_CASE = "qwen2_moe-ep2-aux-distopt"
+# Where Transformer Engine builds the layers, their fp32 GEMMs run in TF32 whatever torch's flags say
+# (TE's cuBLAS default, 10-bit mantissa): the losses then agree with the float64 reference to within
+# TF32's unit roundoff (2**-11; 3.5e-4 seen on two H200s), as the Megatron teacher's do
+# (tests/test_train_integration.py)
+NCCL_LOSS_RTOL = 2.0 ** -11 if transformer_engine_usable() else 2e-4
 
 
 def _nccl_train_worker(rank, world, hf_dirs, ckpt_root):
     import torch.distributed as dist
 
-    # float32 without TF32: the CPU cases' tolerances against the float64 reference then hold
+    # float32 without TF32 in torch's own GEMMs (TE's, where it builds the layers: NCCL_LOSS_RTOL)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     result = _train_case(NCCL_CASE, hf_dirs, ckpt_root, params_dtype=torch.float32)
@@ -247,5 +253,5 @@ def test_moe_ep2_steps_over_nccl_match_hf(hf_dirs, references, tmp_path):
                                     "NVSHMEM_DISABLE_NVLS": "1"})
     history = per_rank[0]["history"]
     assert per_rank[1]["history"] == history
-    _check_steps(history, references[(family, coef)])
+    _check_steps(history, references[(family, coef)], loss_rtol=NCCL_LOSS_RTOL)
     _check_router_metrics(history, references[(family, coef)], coef)
