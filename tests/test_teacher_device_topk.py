@@ -213,9 +213,11 @@ def _teacher(model, **cfg):
                                                 **engine_kwargs(**cfg)))
 
 
-# On an H200 (vLLM 0.26, CUDA; 2026-11-28) the first test with these engines did not finish in 516 s;
-# the CPU build passes it. A bound per test on a GPU keeps one hang from taking the lane's whole call
-# (the next tests still run and report); elsewhere the run's own timeout (None)
+# On an H200 (vLLM 0.26, CUDA; 2026-11-28) the first test with these engines did not finish in 516 s:
+# its sequence filling the engine's context never finished prefilling (0.26 keeps a position free for
+# a pooling request; a sequence is sent without its last token since, `hidden_states.pooled_input`).
+# A bound per test on a GPU keeps a hang from taking the lane's whole call (the next tests still run
+# and report); elsewhere the run's own timeout (None)
 ENGINE_TEST_BOUND = pytest.mark.timeout(timeout=300 if torch.cuda.is_available() else None)
 
 

@@ -14,7 +14,7 @@ project runs (0.26 on GPUs, 0.32 on CPUs):
 * the same pooling engine, with the LM head and the top-k applied to its pooler's output inside
   the worker (chosen). The engine runs as the `output: hidden` teacher does (`runner="pooling"`,
   every position's final-norm hidden state), and this module's worker extension wraps the model's
-  pooler: each finished sequence's hidden states go through the output weight, a float32
+  pooler: each finished request's hidden states go through the output weight, a float32
   log-softmax at the teacher temperature and `torch.topk` on the device, and only the packed rows
   `[L-1, 2K]` (512 bytes per token at K=64, against 8 KB of hidden states at H=2048) travel to the
   driver. It relies only on what the project relies on already in both releases: the pooler's
@@ -24,11 +24,12 @@ project runs (0.26 on GPUs, 0.32 on CPUs):
 What it computes. For positions t = 0..L-2 of a sequence, z = h_t W^T (the GEMM in the engine's
 dtype, as vLLM's LM head does it), then in float32 `log_softmax(z / T)` over the whole vocabulary
 and its top-k, ordered by value: at T = 1 exactly what `prompt_logprobs` computes (vLLM's raw
-logprobs are `log_softmax(z, dtype=float32)`), at T != 1 the exact tempered distribution. A
-sequence of up to the engine's `max_model_len` tokens is scored whole (a pooling request needs no
-room for an output token). The output weight (`lm_head.weight`, or the embedding when tied) is read
-from the engine's checkpoint when the scorer is installed, in the engine's dtype: an engine whose
-weights change afterwards (a rollout engine receiving the student) must not use this path.
+logprobs are `log_softmax(z, dtype=float32)`), at T != 1 the exact tempered distribution. The
+engine is sent the sequence without its last token (`hidden_states.pooled_input`: that position
+scores nothing), so a sequence of up to the engine's `max_model_len` tokens is scored whole. The
+output weight (`lm_head.weight`, or the embedding when tied) is read from the engine's checkpoint
+when the scorer is installed, in the engine's dtype: an engine whose weights change afterwards (a
+rollout engine receiving the student) must not use this path.
 
 Ties. Values that are exactly equal (frequent with bf16 logits) come out in `torch.topk`'s order,
 which is unspecified, as they do from `prompt_logprobs` (which also uses `topk`): two paths agree
@@ -251,15 +252,16 @@ class DeviceTopKWorker:
 
 
 def score_pooled(outputs: list, state: dict, gather: Gather | None) -> list:
-    """The pooler's per-request hidden states `[L, H]` (None while a chunked prefill is unfinished)
-    -> packed top-k rows `[L-1, 2K]` of the finished ones, in one batch of GEMMs."""
+    """The pooler's per-request hidden states `[N, H]` (None while a chunked prefill is unfinished;
+    N = L-1: a sequence is sent without its last token) -> packed top-k rows `[N, 2K]` of the finished
+    ones, in one batch of GEMMs."""
     if not isinstance(outputs, list):
         raise TypeError(f"device top-k scorer: expected the pooler's list of per-request hidden states, "
                         f"got {type(outputs).__name__}")
     done = [i for i, out in enumerate(outputs) if out is not None]
     if not done:
         return outputs
-    states = [outputs[i][:-1] for i in done]
+    states = [outputs[i] for i in done]
     logprobs, ids = topk_logprobs(torch.cat(states), state["weight"], k=state["k"],
                                   temperature=state["temperature"], vocab_start=state["vocab_start"],
                                   vocab_size=state["vocab_size"], gather=gather)

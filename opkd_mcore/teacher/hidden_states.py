@@ -41,17 +41,25 @@ def engine_kwargs() -> dict:
     return dict(runner="pooling", convert="embed", pooler_config=PoolerConfig(**POOLER_CONFIG))
 
 
-def rows_from_states(seq: list[int], states: torch.Tensor, where: str) -> HiddenTeacher:
-    """Hidden states of every position `[L, H_t]` -> the rows that score tokens 1..L-1, in bf16.
+def pooled_input(seq: list[int]) -> list[int]:
+    """What a pooling engine is sent for `seq`: all but its last token, whose position scores nothing.
+    A request as long as the engine's context would never finish prefilling on vLLM 0.26 (its
+    scheduler keeps a position free for a sampled token even for pooling requests), so a sample that
+    fills the rollout's context is scored by an engine of that context this way."""
+    return seq[:-1]
 
-    Row t is position t's state, which the LM head turns into the distribution of token t+1; the
-    last position scores nothing. The output-weight shard is attached by the trainer."""
-    if not isinstance(states, torch.Tensor) or states.dim() != 2 or states.shape[0] != len(seq):
+
+def rows_from_states(seq: list[int], states: torch.Tensor, where: str) -> HiddenTeacher:
+    """Hidden states of the positions of `pooled_input(seq)` `[L-1, H_t]` -> the rows that score
+    tokens 1..L-1, in bf16: row t is position t's state, which the LM head turns into the distribution
+    of token t+1. The output-weight shard is attached by the trainer."""
+    if not isinstance(states, torch.Tensor) or states.dim() != 2 or states.shape[0] != len(seq) - 1:
         got = tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__
-        raise MalformedTeacherOutputError(f"{where}: expected hidden states [{len(seq)}, H], got {got}")
+        raise MalformedTeacherOutputError(f"{where}: expected hidden states [{len(seq) - 1}, H] (the "
+                                          f"{len(seq)}-token sequence without its last token), got {got}")
     if torch.isnan(states).any():
         raise MalformedTeacherOutputError(f"{where}: NaN in the teacher's hidden states")
-    return HiddenTeacher(hidden=states[:-1].to(torch.bfloat16).contiguous(), weight=None)
+    return HiddenTeacher(hidden=states.to(torch.bfloat16).contiguous(), weight=None)
 
 
 def decode_bytes_response(body: bytes, metadata: str, count: int, where: str) -> list[torch.Tensor]:

@@ -47,7 +47,13 @@ from opkd_mcore.teacher.base import (
     check_sequences,
     topk_from_ranked,
 )
-from opkd_mcore.teacher.hidden_states import POOLING_TASK, WIRE_DTYPE, decode_bytes_response, rows_from_states
+from opkd_mcore.teacher.hidden_states import (
+    POOLING_TASK,
+    WIRE_DTYPE,
+    decode_bytes_response,
+    pooled_input,
+    rows_from_states,
+)
 from opkd_mcore.teacher.topk_wire import MAGIC, TOPK_ROUTE, decode_topk_response
 
 logger = logging.getLogger(__name__)
@@ -298,7 +304,7 @@ class RemoteVllmTeacher(Teacher):
         probe = {"model": self._model, "prompt": [[token_id]], "max_tokens": 1}
         path = "/v1/completions"
         if self.scoring == "hidden":
-            probe, path = self._pooling_body([[token_id]]), "/pooling"
+            probe, path = self._pooling_body([[token_id, token_id]]), "/pooling"  # sends [token_id]
         elif self.scoring == "device":
             probe, path = {"sequences": [[token_id, token_id]], "k": 1}, TOPK_ROUTE
         try:
@@ -341,8 +347,8 @@ class RemoteVllmTeacher(Teacher):
             return f"request {self._counter} to {self.url}"
 
     def _pooling_body(self, batch: list[list[int]]) -> dict:
-        return {"model": self._model, "input": batch, "task": POOLING_TASK, "encoding_format": "bytes",
-                "embed_dtype": WIRE_DTYPE, "add_special_tokens": False}
+        return {"model": self._model, "input": [pooled_input(s) for s in batch], "task": POOLING_TASK,
+                "encoding_format": "bytes", "embed_dtype": WIRE_DTYPE, "add_special_tokens": False}
 
     def _score_hidden_batch(self, batch: list[list[int]], request: str) -> list[HiddenTeacher]:
         body, metadata = self._call("/pooling", self._pooling_body(batch), request, raw=True)

@@ -41,7 +41,7 @@ from opkd_mcore.rollout.engine_env import child_pids, engine_environment, yield_
 from opkd_mcore.rollout.vllm_rollout import shutdown_llm
 from opkd_mcore.teacher.base import Teacher, check_outputs, check_sequences, topk_from_flat
 from opkd_mcore.teacher.device_topk import WORKER_EXTENSION, device_scoring_blocker, unpack_rows
-from opkd_mcore.teacher.hidden_states import POOLING_TASK, engine_kwargs, rows_from_states
+from opkd_mcore.teacher.hidden_states import POOLING_TASK, engine_kwargs, pooled_input, rows_from_states
 
 logger = logging.getLogger(__name__)
 
@@ -230,16 +230,16 @@ class VllmTeacher(Teacher):
 
     def _score_device(self, seqs: list[list[int]]) -> list[TopKTeacher]:
         self._set_device_scorer()
-        outputs = self.llm.encode([{"prompt_token_ids": s} for s in seqs], pooling_task=POOLING_TASK,
-                                  use_tqdm=self.cfg.use_tqdm)
+        outputs = self.llm.encode([{"prompt_token_ids": pooled_input(s)} for s in seqs],
+                                  pooling_task=POOLING_TASK, use_tqdm=self.cfg.use_tqdm)
         scored = [unpack_rows(out.outputs.data, self.cfg.k, self.vocab_size, f"{self._address}: sequence {i}")
                   for i, out in enumerate(outputs)]
         check_outputs(seqs, scored, self._address)
         return scored
 
     def _score_hidden(self, seqs: list[list[int]]) -> list[HiddenTeacher]:
-        outputs = self.llm.encode([{"prompt_token_ids": s} for s in seqs], pooling_task=POOLING_TASK,
-                                  use_tqdm=self.cfg.use_tqdm)
+        outputs = self.llm.encode([{"prompt_token_ids": pooled_input(s)} for s in seqs],
+                                  pooling_task=POOLING_TASK, use_tqdm=self.cfg.use_tqdm)
         scored = [rows_from_states(s, out.outputs.data, f"{self._address}: sequence {i}")
                   for i, (s, out) in enumerate(zip(seqs, outputs))]
         check_outputs(seqs, scored, self._address)
