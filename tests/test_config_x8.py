@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVED = os.path.join(ROOT, "configs", "gpu_qwen3_8b_from_32b_x8.yaml")
 MEGATRON = os.path.join(ROOT, "configs", "gpu_qwen3_8b_from_32b_megatron_x8.yaml")
 RAY = os.path.join(ROOT, "configs", "gpu_qwen3_8b_from_32b_ray_x8.yaml")
-LANE = os.path.join(ROOT, "tools", "gpu", "lane.sh")
+LANE_X8 = os.path.join(ROOT, "tools", "gpu", "lane_x8.sh")  # lane.sh's eight-GPU steps
 GPUS = 8
 
 
@@ -81,8 +81,8 @@ def _header_lines(path: str) -> list[str]:
 
 
 def _lane_step(step: str) -> list[str]:
-    with open(LANE) as f:
-        body = f.read().split(f"\n  {step})", 1)[1].split(";;", 1)[0]
+    with open(LANE_X8) as f:
+        body = f.read().split(f"\n    {step})", 1)[1].split(";;", 1)[0]
     return body.splitlines()
 
 
