@@ -17,6 +17,16 @@ ENGINE_MEMORY = 0.12
 VLLM_FP32_LOGPROB_ATOL = 6e-3 if torch.cuda.is_available() else 2e-3
 
 
+def megatron_fp32_rel(otherwise: float) -> float:
+    """The relative bound of a float32 Megatron model's losses against a full-fp32 (or float64)
+    reference: where Transformer Engine builds the layers, their fp32 GEMMs run in TF32 whatever
+    torch's flags say (TE's cuBLAS default, 10-bit mantissa), so TF32's unit roundoff 2**-11; elsewhere
+    `otherwise`, the test's own float32 bound."""
+    from opkd_mcore.models.builder import transformer_engine_usable
+
+    return 2.0 ** -11 if transformer_engine_usable() else otherwise
+
+
 def engine_kwargs(**extra) -> dict:
     """Keyword arguments for a `vllm.LLM` (or RolloutConfig / VllmTeacherConfig) built by a test."""
     return {"gpu_memory_utilization": ENGINE_MEMORY, **extra}

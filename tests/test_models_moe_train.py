@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opkd_mcore.models.builder import transformer_engine_usable
 from tests._dist import run_distributed
+from tests.conftest import megatron_fp32_rel
 from tests.test_engine import (
     CLIP,
     LR,
@@ -224,11 +224,8 @@ def test_moe_checkpoint_resume_reproduces_steps(trained, name):
 
 # ----------------------------------------------------------------------------- GPU lane
 NCCL_CASE = "qwen2_moe-ep2-aux-distopt"
-# Where Transformer Engine builds the layers, their fp32 GEMMs run in TF32 whatever torch's flags say
-# (TE's cuBLAS default, 10-bit mantissa): the losses then agree with the float64 reference to within
-# TF32's unit roundoff (2**-11; 3.5e-4 seen on two H200s), as the Megatron teacher's do
-# (tests/test_train_integration.py)
-NCCL_LOSS_RTOL = 2.0 ** -11 if transformer_engine_usable() else 2e-4
+# against the float64 reference: TF32's unit roundoff where TE builds the layers (3.5e-4 seen on two H200s)
+NCCL_LOSS_RTOL = megatron_fp32_rel(2e-4)
 
 
 def _nccl_train_worker(rank, world, hf_dirs, ckpt_root):

@@ -19,9 +19,9 @@ import torch
 import yaml
 
 from opkd_mcore.data import ALPHABET
-from opkd_mcore.models.builder import transformer_engine_usable
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from tests._dist import free_port, require_devices, run_distributed
+from tests.conftest import megatron_fp32_rel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 32
@@ -298,10 +298,8 @@ def hf_dense_losses(models):
 
 # the fused loss kernels `opkd train` picks by default: Triton on a GPU, the C++ twin on CPU
 DEFAULT_FUSED = "triton" if torch.cuda.is_available() else "cpp"
-# Where Transformer Engine builds the Megatron teacher, its fp32 GEMMs run in TF32 (TE's cuBLAS
-# default, 10-bit mantissa): the losses then agree with the `transformers` teacher's full-fp32 ones
-# to within TF32's unit roundoff (2**-11), not fp32's
-TEACHER_LOSS_REL = 2.0 ** -11 if transformer_engine_usable() else 1e-4
+# the Megatron teacher's losses against the `transformers` teacher's full-fp32 ones (TF32 where TE builds it)
+TEACHER_LOSS_REL = megatron_fp32_rel(1e-4)
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ them over, `--max-tokens` per micro-batch) on a student loaded from `--model`, a
 
 `stage_fresh - engine_fresh` (and `stage_same - engine`) is what the product adds to the engine: the
 host's packing and copies; `engine_fresh - engine` is what new shapes cost the engine itself
-(attention plans, allocator). `vs_engine` divides each row by its engine row on the same samples. Beside each row: host syncs are not counted here (the CPU test
+(attention plans, allocator). `vs_engine` divides each row by its engine row on the same samples.
+Beside each row: host syncs are not counted here (the CPU test
 `tests/test_train_stage_syncs.py` does), but the caching allocator's device mallocs and retries and
 Python's garbage collections during the timed steps are. `--profile` prints a torch profiler table
 (CPU and CUDA time by op, top 25) of two steps of `stage_fresh` and of `engine`.
@@ -157,22 +158,25 @@ def main(argv=None) -> int:
     fresh = [scored_batch(s, args, vocab) for s in range(args.steps + 3)]
     same = fresh[0]
     batches, counts = pack_micro_batches(same, par, shard)
-    loss_fn = make_loss_fn(plan, counts, group)
 
     def stage_fresh(i):
         train_stage(engine, fresh[i + 1 if i < 100 else args.steps + 1 + i - 100], plan, par, shard, group)
 
     packed_fresh = {i: pack_micro_batches(fresh[i + 1], par, shard) for i in range(-1, args.steps)}
 
-    def engine_fresh(i):
-        step_batches, step_counts = packed_fresh[i]
-        engine.train_step(step_batches, make_loss_fn(plan, step_counts, group), fused_lm_head=plan.fused_lm_head)
+    def engine_on(packed):
+        step_batches, step_counts = packed
+        engine.train_step(step_batches, make_loss_fn(plan, step_counts, group),
+                          fused_lm_head=plan.fused_lm_head)
 
     def stage_same(i):
         train_stage(engine, same, plan, par, shard, group)
 
+    def engine_fresh(i):
+        engine_on(packed_fresh[i])
+
     def engine_step(i):
-        engine.train_step(batches, loss_fn, fused_lm_head=plan.fused_lm_head)
+        engine_on((batches, counts))
 
     rows = [timed("stage_fresh", stage_fresh, args.steps), timed("engine_fresh", engine_fresh, args.steps),
             timed("stage_same", stage_same, args.steps), timed("engine", engine_step, args.steps)]
