@@ -124,7 +124,8 @@ def test_remote_hidden_teacher_reads_vllm_bytes_responses(models):
     assert teacher.stats["wire_bytes"] == (sum(len(s) - 1 for s in seqs) + 1) * 96 * 2 + listing
     sent = [[s[:-1] for s in seqs[:2]], [seqs[2][:-1]]]
     scoring = [q for q in seen if q["input"] in sent]
-    assert [q["input"] for q in scoring] == sent  # a request filling the context never ends on vLLM 0.26
+    # batches go out concurrently: their order at the server is not the client's
+    assert sorted(q["input"] for q in scoring) == sorted(sent)  # a request filling the context never ends on vLLM 0.26
     assert scoring and all(q["encoding_format"] == "bytes" and q["embed_dtype"] == "bfloat16"
                            and q["task"] == "token_embed" for q in scoring)
 
