@@ -81,6 +81,11 @@ EXTENDED = {
     "tests/test_train_integration.py::test_megatron_teacher_matches_hf_teacher[tp1-recompute-1-overrides5]",
     # expert TP's training and export are test_models_moe_etp.py's (kept); its engine round trip (~45 s)
     "tests/test_weight_sync_moe_etp.py::test_etp2_student_synced_matches_its_hf_export",
+    # the in-process engine's final-norm hidden states: test_vllm_teacher_sending_hidden_states_matches_hf_teacher
+    # (test_train_integration.py, kept) trains on them to the losses of the HF teacher's full logits
+    "tests/test_fused_linear_kd_served.py::test_in_process_vllm_returns_the_final_norm_hidden_states",
+    # the plain runner's step rows with a dense teacher: its top-k case (kept) runs the same row logic
+    "tests/test_bench_peers.py::test_plain_runner_reports_every_step_with_the_workloads_tokens[dense]",
 }
 
 

@@ -142,10 +142,11 @@ def test_opkd_overrides_load_into_the_gpu_config(tmp_path, teacher_kind, gpus):
     assert cfg.teacher.teachers[0].backend == ("vllm" if teacher_kind == "topk" else "megatron")
     assert cfg.loss.support == ("teacher" if teacher_kind == "topk" else None)
     assert cfg.controller.kind == ("ray" if gpus == 2 else "torchrun")
-    if gpus == 2:
-        off = bench_peers.opkd_overrides(replace(w, schedule="one_step_off"), str(tmp_path / "r"), "/p.jsonl",
-                                         on_gpu=True)
-        assert load_config(bench_peers.GPU_CONFIG, off, check_files=False).run.schedule == "one_step_off"
+    off = load_config(bench_peers.GPU_CONFIG, bench_peers.opkd_overrides(
+        replace(w, schedule="one_step_off"), str(tmp_path / "r"), "/p.jsonl", on_gpu=True), check_files=False)
+    assert off.run.schedule == "one_step_off" and off.controller.kind == "ray"
+    # one GPU: the Ray controller's colocated placement, the engine generating beside the trainer
+    assert off.controller.placement == ("colocated" if gpus == 1 else "disaggregated")
     assert cfg.run.schedule == "sync"
 
 

@@ -24,8 +24,7 @@ import pytest
 import yaml
 
 from opkd_mcore import launch
-from opkd_mcore.config import load_config
-from opkd_mcore.config.validate import launch_world_size
+from opkd_mcore.config import launch_world_size, load_config
 from opkd_mcore.controller.groups import WorkerGroups
 from opkd_mcore.controller.placement import Placement
 from opkd_mcore.models.tiny import NAMED_SHAPES

@@ -13,6 +13,8 @@ NCCL group with the trainer rank on their device).
   engine's greedy tokens (logprobs within the float32-on-GPU bound of `conftest.py`, each token the
   reference's arg-max unless the top two are closer than that bound), and the weights moved (the
   initial checkpoint scores the same tokens differently).
+- The same run under `one_step_off`: the engines, resident, generate beside the trainer on its GPUs;
+  one version stale after the first step, and both engines end with the trainer's weights.
 - Rollout engine 0 killed while version 2 streams to it: Ray restarts it, the driver rebuilds the
   groups and syncs again; every prompt is trained exactly once, the first step equals the
   un-faulted run's, and both engines end with the trainer's weights.
@@ -61,12 +63,12 @@ def cluster(tmp_path_factory):
         ray.shutdown()
 
 
-def _run(cluster, name, on_event=None):
+def _run(cluster, name, *overrides, on_event=None):
     from opkd_mcore.config import load_config
     from opkd_mcore.controller import RayController
 
     out = str(cluster["root"] / name)
-    cfg = load_config(cluster["config"], [*OVERRIDES, f"run.output_dir={out}"])
+    cfg = load_config(cluster["config"], [*OVERRIDES, f"run.output_dir={out}", *overrides])
     history = RayController(cfg, groups=cluster["groups"], on_event=on_event).run()
     return history, read_samples(out), os.path.join(out, "student_hf")
 
@@ -136,4 +138,15 @@ def test_engine_killed_mid_sync_is_rebuilt_on_gpus(cluster):
     # engines' weights check them
     assert [r for r in rows if r["step"] == 0] == [r for r in reference_rows if r["step"] == 0]
     assert history[0]["train/loss"] == reference_history[0]["train/loss"]
+    _assert_engines_hold(cluster, export_dir)
+
+
+def test_one_step_off_with_engines_generating_beside_the_trainer_on_its_gpus(cluster):
+    """Colocated and overlapped: the engines stay resident and generate step t+1 on the trainer
+    ranks' GPUs while step t trains; every prompt is trained once, one version stale after the
+    first step, and both engines end with the trainer's weights."""
+    history, rows, export_dir = _run(cluster, "one_step_off", "run.schedule=one_step_off")
+    assert len(history) == STEPS and audit(rows, N, DATASET).ok and len(rows) == STEPS * PROMPTS * N
+    lags = {r["step"]: r["version_trained"] - r["version_generated"] for r in rows}
+    assert lags == {0: 0, **{s: 1 for s in range(1, STEPS)}}
     _assert_engines_hold(cluster, export_dir)

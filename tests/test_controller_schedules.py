@@ -7,8 +7,8 @@ exactly once with the staleness it promises (samples.jsonl); a rollout engine ki
 no sample (the run equals the un-faulted one), and so does one killed while weights stream to it;
 a weight transfer nobody receives times out naming group, ranks and bucket, and the trainer ranks
 leave such a blocked group at once; a dead trainer rank stops the run with the last checkpoint
-intact; the colocated placement (CPU bundles, weights by shared-memory IPC) trains what the
-disaggregated one does.
+intact; the colocated placement (CPU bundles, weights by shared-memory IPC) trains under
+`one_step_off` what the disaggregated one does.
 """
 from __future__ import annotations
 
@@ -97,6 +97,14 @@ def _sync_reference(cluster):
     return cluster["results"]["sync"]
 
 
+def _schedule_run(cluster, schedule, on_event=None):
+    """`schedule`'s run on the shared actors (once per module)."""
+    if schedule not in cluster["results"]:
+        cluster["results"][schedule] = _run(cluster, schedule, f"run.schedule={schedule}", "run.max_staleness=2",
+                                            on_event=on_event)
+    return cluster["results"][schedule]
+
+
 def _lag_by_step(rows):
     return {r["step"]: r["version_trained"] - r["version_generated"] for r in rows}
 
@@ -167,8 +175,7 @@ def test_every_schedule_trains_each_prompt_exactly_once(cluster, schedule, lags)
         if name == "rollout_submitted" and not seen:
             seen.append(_greedy(cluster["groups"]))
 
-    history, rows = _run(cluster, schedule, f"run.schedule={schedule}", "run.max_staleness=2",
-                         on_event=weights_at_first_rollout)
+    history, rows = _schedule_run(cluster, schedule, on_event=weights_at_first_rollout)
     for engine, initial in zip(seen[0], cluster["initial"]):
         _same_weights(engine, initial)
     if lags is not None:  # batch 0 is sync's batch 0 (async takes groups in completion order)
@@ -332,15 +339,20 @@ def test_dead_trainer_rank_stops_the_run_with_the_last_checkpoint_intact(cluster
 
 def test_colocated_placement_trains_what_the_disaggregated_one_does(cluster):
     """Trainer rank r, engine r and the teacher in bundle r of one placement group; weights move by
-    IPC handles (shared memory on CPU). Same ranks, engines and prompt split as the disaggregated run."""
+    IPC handles (shared memory on CPU). Same ranks, engines and prompt split as the disaggregated run,
+    under `one_step_off`: the engines generate the next step beside the training (on a GPU they stay
+    resident there, `config/placement_rules.py`), and the run equals the disaggregated one."""
     from opkd_mcore.config import load_config
     from opkd_mcore.controller import RayController
 
+    reference_history, reference_rows = _schedule_run(cluster, "one_step_off")
     cluster["groups"].shutdown()  # the disaggregated actors leave the machine to these
     out = str(cluster["root"] / "colocated")
     cfg = load_config(cluster["config"], [*RAY_ONLY, "controller.placement=colocated",
-                                          "weight_sync.transport=colocated_ipc", f"run.output_dir={out}"])
+                                          "weight_sync.transport=colocated_ipc", "run.schedule=one_step_off",
+                                          "run.max_staleness=2", f"run.output_dir={out}"])
     history = RayController(cfg).run()  # builds (and releases) its own actors
-    reference_history, reference_rows = _sync_reference(cluster)
     assert read_samples(out) == reference_rows
-    assert history[0]["train/loss"] == pytest.approx(reference_history[0]["train/loss"], rel=1e-6)
+    assert _lag_by_step(reference_rows) == {0: 0, 1: 1, 2: 1, 3: 1}
+    for step, reference in zip(history, reference_history, strict=True):
+        assert step["train/loss"] == pytest.approx(reference["train/loss"], rel=1e-6)

@@ -29,8 +29,10 @@ def _cfg(*overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     (["run.schedule=async"], "^run.schedule: 'async' .* needs controller.kind: ray"),
-    (["run.schedule=one_step_off", "controller.kind=ray", "controller.placement=colocated"],
-     "^controller.placement: colocated"),
+    (["run.schedule=one_step_off", "controller.kind=ray", "controller.placement=colocated", "run.device=cuda",
+      "rollout.gpu_memory_utilization=0.5"],
+     r"^rollout.gpu_memory_utilization: 2 vLLM engines stay on one colocated device .* one_step_off .* "
+     r"expected below 0.50"),
     (["run.in_flight_update=abort_resume", "controller.kind=ray"], "^run.in_flight_update: only the async"),
     (["run.schedule=async", "controller.kind=ray", "weight_sync.every_steps=2"], "^weight_sync.every_steps"),
     (["run.max_staleness=-1"], "^run.max_staleness: expected >= 0"),
@@ -50,8 +52,22 @@ def test_schedule_and_controller_errors_name_the_key(overrides, message):
         _cfg(*overrides)
 
 
+def test_colocated_engines_sleep_under_sync_and_stay_beside_an_overlapped_trainer():
+    from opkd_mcore.config.placement_rules import engines_sleep_while_training, resident_vllm_engines
+
+    colocated = ["controller.kind=ray", "controller.placement=colocated", "run.device=cuda"]
+    sync = _cfg(*colocated)
+    assert engines_sleep_while_training(sync) and resident_vllm_engines(sync) == 1  # the vLLM teacher
+    overlapped = _cfg(*colocated, "run.schedule=one_step_off", "rollout.gpu_memory_utilization=0.3")
+    assert not engines_sleep_while_training(overlapped) and resident_vllm_engines(overlapped) == 2
+    in_step = _cfg(*colocated, "run.schedule=one_step_off", "teacher.teachers.0.backend=megatron",
+                   "loss.support=null", "rollout.gpu_memory_utilization=0.6")
+    assert resident_vllm_engines(in_step) == 1  # the rollout engine; the teacher runs in the trainer
+    assert not engines_sleep_while_training(_cfg("run.schedule=one_step_off", "controller.kind=ray"))
+
+
 def test_ray_world_is_one_model_parallel_replica_unless_set():
-    from opkd_mcore.config.validate import launch_world_size
+    from opkd_mcore.config import launch_world_size
 
     assert launch_world_size(_cfg("controller.kind=ray", "parallel.tp=2")) == 2
     four = _cfg("controller.kind=ray", "parallel.world_size=4", "parallel.micro_batch_size=2")

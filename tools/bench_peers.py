@@ -89,9 +89,9 @@ class Workload:
     clip_grad: float = _f(1.0, "max global gradient norm")
     dtype: str = _f("bfloat16", "training and inference dtype (float32 on CPU)")
     gpus: int = _f(1, "GPUs per runner: 1 colocated, 2 disaggregated where the runner supports it")
-    schedule: str = _f("sync", "opkd train on 2 GPUs: its Ray controller's run.schedule (sync: on-policy as "
-                               "TRL; one_step_off: step n+1 generated beside step n's training, as verl's "
-                               "one-step-off: samples one weight version old)")
+    schedule: str = _f("sync", "opkd train's run.schedule (sync: on-policy as TRL; one_step_off: step n+1 "
+                               "generated beside step n's training, as verl's one-step-off: samples one "
+                               "weight version old; on 1 GPU under the Ray controller, colocated)")
     gpu_memory_utilization: float = _f(0.2, "each colocated vLLM engine's share of the GPU")
     max_model_len: int = _f(512, "vLLM context length (prompt + response)")
 
@@ -212,6 +212,8 @@ def opkd_overrides(w: Workload, run_dir: str, prompts_path: str, on_gpu: bool) -
     if w.gpus == 2:  # trainer on one GPU, rollout engine + vLLM teacher on the other
         out += ["controller.kind=ray", "controller.placement=disaggregated", f"run.schedule={w.schedule}",
                 f"controller.teachers_with_rollout={'true' if w.teacher_kind == 'topk' else 'false'}"]
+    elif w.schedule != "sync":  # one GPU shared by the trainer, the engine generating beside it, the teacher
+        out += ["controller.kind=ray", "controller.placement=colocated", f"run.schedule={w.schedule}"]
     return out
 
 
@@ -236,7 +238,7 @@ def run_opkd(w: Workload, run_dir: str, ctx: dict) -> list[StepRow]:
                     generation_s=m["timing/rollout"], teacher_s=m["timing/teacher"],
                     train_s=m["timing/train"],
                     weight_update_s=m["timing/weight_sync"], version=f"opkd-mcore {opkd_mcore.__version__}",
-                    notes=f"run.schedule={w.schedule}" if w.gpus == 2 else "")
+                    notes=f"run.schedule={w.schedule}" if w.gpus == 2 or w.schedule != "sync" else "")
             for i, m in enumerate(steps)]
 
 

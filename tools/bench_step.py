@@ -155,8 +155,7 @@ def main(argv=None) -> int:
 
     import ray
 
-    from opkd_mcore.config import load_config
-    from opkd_mcore.config.validate import launch_world_size
+    from opkd_mcore.config import launch_world_size, load_config
     from opkd_mcore.controller import RayController, WorkerGroups
     from opkd_mcore.controller.placement import cpus_needed
 

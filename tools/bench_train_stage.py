@@ -7,17 +7,20 @@ prompt and up to `--response` tokens, top-`--k` teacher rows on the host, as the
 them over, `--max-tokens` per micro-batch) on a student loaded from `--model`, and times, a row each:
 
 * `stage_fresh`: `train_stage` on new samples every step (new lengths: what the product sees);
-* `engine_fresh`: `engine.train_step` on the same new samples, packed before the clock starts (the
-  engine's own step on the tokens `stage_fresh` trains on, new lengths included);
+* `engine_fresh`: `engine.train_step` on new samples of the same shape statistics, drawn apart from
+  `stage_fresh`'s (so neither row meets lengths the other has planned for) and packed before the clock;
 * `stage_same`: `train_stage` on the same samples every step (the packing, fixed shapes);
 * `engine`: `engine.train_step` on the same micro-batches, packed once (the engine's own step).
 
+Each row starts from an emptied caching allocator, then takes `--warmup` steps on draws of its own
+before the `--steps` it times, as a run's cache is warm after its first steps.
 `stage_fresh - engine_fresh` (and `stage_same - engine`) is what the product adds to the engine: the
 host's packing and copies; `engine_fresh - engine` is what new shapes cost the engine itself
-(attention plans, allocator). `vs_engine` divides each row by its engine row on the same samples.
+(attention plans, allocator). `vs_engine` divides each row's seconds per token by its engine row's.
 Beside each row: host syncs are not counted here (the CPU test
 `tests/test_train_stage_syncs.py` does), but the caching allocator's device mallocs and retries and
-Python's garbage collections during the timed steps are. `--profile` prints a torch profiler table
+Python's garbage collections during the timed steps are; the allocator's settings
+(`PYTORCH_CUDA_ALLOC_CONF`) are recorded with the rows. `--profile` prints a torch profiler table
 (CPU and CUDA time by op, top 25) of two steps of `stage_fresh` and of `engine`.
 
     python tools/bench_train_stage.py --model /tmp/models/qwen3-0.6b --profile --results results.jsonl
@@ -45,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--response", type=int, default=256, help="longest response (responses: 75-100%% of it)")
     p.add_argument("--k", type=int, default=64, help="teacher top-k width")
     p.add_argument("--max-tokens", type=int, default=16384, help="parallel.max_tokens_per_micro_batch")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per row (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per row")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per row before its timed ones")
     p.add_argument("--profile", action="store_true", help="torch profiler tables of stage_fresh and engine")
     add_results_argument(p)
     return p.parse_args(argv)
@@ -73,6 +77,11 @@ def scored_batch(seed: int, args, vocab: int):
     return ScoredBatch(samples=samples, teacher=rows)
 
 
+def sample_tokens(scored) -> int:
+    """Prompt and response tokens of a step's samples."""
+    return sum(len(s.prompt_ids) + len(s.response_ids) for s in scored.samples)
+
+
 class _GcClock:
     """Python garbage collections (count, seconds) while it is on."""
 
@@ -94,39 +103,42 @@ class _GcClock:
         gc.callbacks.remove(self)
 
 
-def timed(name: str, step, steps: int) -> dict:
-    """One warm-up call of `step(i)`, then `steps` timed ones (device drained around each). Each row
-    starts with the caching allocator emptied, so rows on the same new samples meet their shapes
-    equally new."""
+def timed(name: str, step, steps: int, warmup: int) -> dict:
+    """`warmup` untimed calls of `step(i)` (i < 0), then `steps` timed ones (device drained around
+    each); `step` returns the tokens it trained on. Each row starts with the caching allocator emptied,
+    so the rows meet new shapes equally cold."""
     gc.collect()
     torch.cuda.empty_cache()
-    step(-1)
+    for i in range(-warmup, 0):
+        step(i)
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
-    samples = []
+    seconds, per_token = [], []
     with _GcClock() as clock:
         for i in range(steps):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            step(i)
+            tokens = step(i)
             torch.cuda.synchronize()
-            samples.append(time.perf_counter() - start)
+            seconds.append(time.perf_counter() - start)
+            per_token.append(seconds[-1] / tokens)
     after = torch.cuda.memory_stats()
-    samples.sort()
-    return {"row": name, "p50_s": round(samples[len(samples) // 2], 4), "min_s": round(samples[0], 4),
-            "max_s": round(samples[-1], 4),
+    seconds.sort()
+    return {"row": name, "p50_s": round(seconds[len(seconds) // 2], 4), "min_s": round(seconds[0], 4),
+            "max_s": round(seconds[-1], 4),
+            "us_per_token": round(1e6 * sorted(per_token)[len(per_token) // 2], 3),
             "device_mallocs": after.get("num_device_alloc", 0) - before.get("num_device_alloc", 0),
             "alloc_retries": after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0),
             "gc_runs": clock.count,
             "gc_s": round(clock.seconds, 4)}
 
 
-def profile_table(name: str, step) -> None:
+def profile_table(name: str, step, first: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(2):
-            step(100 + i)
+        for i in range(first, first + 2):
+            step(i)
         torch.cuda.synchronize()
     print(f"\n## torch profiler: {name}, 2 steps, top 25 by CPU time (self)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
@@ -154,44 +166,50 @@ def main(argv=None) -> int:
     par = ParallelSection(micro_batch_size=16, global_batch_size=args.seqs,
                           max_tokens_per_micro_batch=args.max_tokens)
     shard, group = shard_layout(engine), ps.get_tensor_model_parallel_group()
-    # the warm-up step, the timed ones, then two the profiler sees first (new shapes there too)
-    fresh = [scored_batch(s, args, vocab) for s in range(args.steps + 3)]
-    same = fresh[0]
+    # each fresh row's own draws: its warm-up steps (i < 0), its timed ones, then two the profiler sees
+    # first (new shapes there too)
+    span = range(-args.warmup, args.steps + 2)
+    stage_draws = {i: scored_batch(1 + args.warmup + i, args, vocab) for i in span}
+    engine_draws = {i: scored_batch(10_001 + args.warmup + i, args, vocab) for i in span}
+    engine_packed = {i: pack_micro_batches(b, par, shard) for i, b in engine_draws.items()}
+    same = scored_batch(0, args, vocab)
     batches, counts = pack_micro_batches(same, par, shard)
 
-    def stage_fresh(i):
-        train_stage(engine, fresh[i + 1 if i < 100 else args.steps + 1 + i - 100], plan, par, shard, group)
-
-    packed_fresh = {i: pack_micro_batches(fresh[i + 1], par, shard) for i in range(-1, args.steps)}
-
-    def engine_on(packed):
+    def engine_on(packed, tokens):
         step_batches, step_counts = packed
         engine.train_step(step_batches, make_loss_fn(plan, step_counts, group),
                           fused_lm_head=plan.fused_lm_head)
+        return tokens
+
+    def stage_fresh(i):
+        train_stage(engine, stage_draws[i], plan, par, shard, group)
+        return sample_tokens(stage_draws[i])
+
+    def engine_fresh(i):
+        return engine_on(engine_packed[i], sample_tokens(engine_draws[i]))
 
     def stage_same(i):
         train_stage(engine, same, plan, par, shard, group)
-
-    def engine_fresh(i):
-        engine_on(packed_fresh[i])
+        return sample_tokens(same)
 
     def engine_step(i):
-        engine_on((batches, counts))
+        return engine_on((batches, counts), sample_tokens(same))
 
-    rows = [timed("stage_fresh", stage_fresh, args.steps), timed("engine_fresh", engine_fresh, args.steps),
-            timed("stage_same", stage_same, args.steps), timed("engine", engine_step, args.steps)]
+    rows = [timed(name, step, args.steps, args.warmup) for name, step in
+            (("stage_fresh", stage_fresh), ("engine_fresh", engine_fresh), ("stage_same", stage_same),
+             ("engine", engine_step))]
     for r, base in zip(rows, (rows[1], rows[1], rows[3], rows[3])):
-        r["vs_engine"] = round(r["p50_s"] / base["p50_s"], 3)
+        r["vs_engine"] = round(r["us_per_token"] / base["us_per_token"], 3)
     tokens = sum(b.num_tokens for b in batches)
     meta = run_metadata(device=torch.cuda.get_device_name(), seqs=args.seqs, response=args.response,
                         k=args.k, max_tokens=args.max_tokens, tokens=tokens, micro_batches=len(batches),
-                        plan=plan.describe())
+                        plan=plan.describe(), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     print(f"{tokens} tokens in {len(batches)} micro-batches ({[b.num_tokens for b in batches]}), "
           f"{plan.describe()}")
     record(args.results, meta, rows)
     if args.profile:
-        profile_table("stage_fresh", stage_fresh)
-        profile_table("engine", engine_step)
+        profile_table("stage_fresh", stage_fresh, args.steps)
+        profile_table("engine", engine_step, args.steps)
     destroy_parallel(destroy_process_group=True)
     return 0
 

@@ -7,6 +7,7 @@ from opkd_mcore.config.loader import (
     load_config,
     to_dict,
 )
+from opkd_mcore.config.model_checks import launch_world_size
 from opkd_mcore.config.schema import (
     CheckpointSection,
     ControllerSection,
@@ -22,7 +23,7 @@ from opkd_mcore.config.schema import (
     TrainConfig,
     WeightSyncSection,
 )
-from opkd_mcore.config.validate import launch_world_size, validate_config
+from opkd_mcore.config.validate import validate_config
 
 __all__ = [
     "CheckpointSection", "ConfigError", "ControllerSection", "DataSection", "LoggingSection", "LossSection",

@@ -36,10 +36,10 @@ from opkd_mcore.config.model_checks import (
     check_student_vocab,
     check_top_k,
     check_vocab,
-    launch_world_size,
     load_tokenizer_info,
     model_shape,
 )
+from opkd_mcore.config.placement_rules import check_colocated
 from opkd_mcore.config.schema import (
     AGGREGATIONS,
     BUILTIN_REWARDS,
@@ -75,7 +75,7 @@ from opkd_mcore.config.schema import (
     TrainConfig,
 )
 from opkd_mcore.config.tokenizer_rules import check_cross_tokenizer
-from opkd_mcore.platform.device import DEVICE_TYPES, device_type, is_cpu
+from opkd_mcore.platform.device import DEVICE_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -493,10 +493,6 @@ def _check_schedule(cfg: TrainConfig) -> None:
     if run.schedule in OVERLAPPED_SCHEDULES and ctl.kind != "ray":
         raise ConfigError(f"run.schedule: {run.schedule!r} overlaps stages across worker groups and needs "
                           f"controller.kind: ray (the torchrun SPMD job runs sync only), got {ctl.kind!r}")
-    if run.schedule != "sync" and ctl.placement == "colocated":
-        raise ConfigError(f"controller.placement: colocated rollout engines share the trainer's devices "
-                          f"and wait while it trains, so only run.schedule: sync fits; got "
-                          f"{run.schedule!r} (use placement: disaggregated)")
     if run.schedule != "async" and run.in_flight_update != "finish":
         raise ConfigError(f"run.in_flight_update: only the async schedule updates weights while "
                           f"generations are in flight; got {run.in_flight_update!r} with run.schedule: "
@@ -508,20 +504,7 @@ def _check_schedule(cfg: TrainConfig) -> None:
         raise ConfigError("controller.teachers_with_rollout: teachers join the rollout engines' devices in "
                           f"the disaggregated placement with rollout_tp 1; got placement {ctl.placement!r}, "
                           f"rollout_tp {ctl.rollout_tp}")
-    if ctl.kind == "ray" and ctl.placement != "colocated" and cfg.weight_sync.transport == "colocated_ipc":
-        raise ConfigError("weight_sync.transport: colocated_ipc moves weights between processes on one "
-                          "device; disaggregated rollout engines need group (or auto)")
-    if ctl.kind == "ray" and ctl.placement == "colocated" and cfg.weight_sync.transport == "group" \
-            and not is_cpu(cfg.run.device):   # None: the device this driver finds, as the run will
-        raise ConfigError(f"weight_sync.transport: group puts colocated engine 0 on trainer rank 0's "
-                          f"device, and a {device_type(cfg.run.device)} collective refuses two members "
-                          "on one device; use colocated_ipc (or auto) with placement: colocated")
-    if ctl.kind == "ray" and ctl.placement == "colocated":
-        engines_devices = ctl.rollout_engines * ctl.rollout_tp
-        if engines_devices > launch_world_size(cfg):
-            raise ConfigError(f"controller.rollout_engines: colocated engines use the trainer's devices: "
-                              f"rollout_engines*rollout_tp = {engines_devices} exceeds the "
-                              f"{launch_world_size(cfg)} trainer ranks")
+    check_colocated(cfg)
 
 
 def _check_checkpoint_cadence(cfg: TrainConfig) -> None:

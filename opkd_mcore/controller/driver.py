@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-from opkd_mcore.config import dump_config
+from opkd_mcore.config import dump_config, launch_world_size
+from opkd_mcore.config.placement_rules import engines_sleep_while_training
 from opkd_mcore.config.schema import TrainConfig
-from opkd_mcore.config.validate import launch_world_size
 from opkd_mcore.controller.data_plane import PromptQueue
 from opkd_mcore.controller.groups import (
     ActorLost,
@@ -200,8 +200,8 @@ class RayController:
         cfg, start = self.cfg, time.perf_counter()
         step, version_trained = state.step, feed.version
         work = feed.take_batch(step)
-        colocated = self.groups.placement.kind == "colocated"
-        if colocated:  # the engines leave the shared devices to the trainer until the next sync
+        sleeping = engines_sleep_while_training(cfg)
+        if sleeping:  # the engines leave the shared devices to the trainer until the next sync
             self._on_engines("sleep")
         batch = self._batch(feed, work, step)
         extra = {}
@@ -219,7 +219,7 @@ class RayController:
         records = self._records(step, work, version_trained)
         state.step += 1
         sync_s = 0.0
-        if colocated:
+        if sleeping:
             self._on_engines("wake_up")
         if state.step % cfg.weight_sync.every_steps == 0 and feed.steps_since_sync:
             sync_s = self._sync(feed, feed.version + 1)

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from opkd_mcore.config.placement_rules import engines_sleep_while_training
 from opkd_mcore.rollout import Sample
 from opkd_mcore.rollout.vllm_rollout import sample_seed
 from opkd_mcore.train.components import build_rollout
@@ -61,7 +62,7 @@ class RolloutEngineWorker:
     def __init__(self, cfg, engine_index: int):
         self.cfg, self.index = cfg, engine_index
         self.engine = build_rollout(cfg, tensor_parallel_size=cfg.controller.rollout_tp,
-                                    sleep_mode=cfg.controller.placement == "colocated")
+                                    sleep_mode=engines_sleep_while_training(cfg))
         # the rollout salts its prefix cache with the weight version: no reset per sync
         self.handle = VllmReceiverHandle(self.engine.llm, reset_prefix_cache=False)
         self._gate = threading.Condition()

@@ -71,12 +71,16 @@
 #   bash tools/gpu/lane.sh peers_trl      # TRL's row beside opkd train's (0.6B <- 1.7B, top-64, 1 GPU, ~6 min;
 #                                         # the peers' wheels installed first: tools/gpu/README.md): per step
 #                                         # TRL's generate calls, sequences and response tokens (its notes)
+#   bash tools/gpu/lane.sh peers_overlap1 # opkd train on one GPU, 0.6B <- 1.7B top-64: sync (torchrun) then
+#                                         # one_step_off (Ray, colocated, the engine generating beside the
+#                                         # trainer), a row each (Ray installed first; ~5 min)
 #   bash tools/gpu/lane.sh peers_verl     # verl's row alone (0.6B <- 1.7B, top-64, 2 GPUs: trainer | teacher
 #                                         # server; verl, Ray and the peers' wheels installed first; ~9 min:
 #                                         # verl starts in ~7, so give it a call of its own)
 #   bash tools/gpu/lane.sh train_stage    # the product's train stage alone against the engine's packed step
 #                                         # on the same tokens (0.6B, 128 x <=256 + prompts, top-64, 16K per
-#                                         # micro-batch; 1 GPU, makes the model), then profiler tables of both
+#                                         # micro-batch; 1 GPU, makes the model), then profiler tables of both,
+#                                         # then the rows again with expandable segments
 #   bash tools/gpu/lane.sh models8        # 8 GPUs: the Qwen3-8B and Qwen3-32B shapes into /tmp/models in the
 #                                         # background (outlives the call; the train8 steps wait for it)
 #   bash tools/gpu/lane.sh train8_served  # 8 GPUs: student TP=4 x DP=2 on all eight, engine beside rank 0,
@@ -340,6 +344,13 @@ case "${1:-}" in
         > "$OUT/bench_peers_trl.log" 2>&1
     cp /tmp/peers_trl/0.6b_from_1.7b_top-64_1gpu/trl/steps.jsonl "$OUT/peers_trl_steps.jsonl" 2>/dev/null
     grep -E "^\|" "$OUT/bench_peers_trl.log" || tail -30 "$OUT/bench_peers_trl.log" ;;
+  peers_overlap1)  # one GPU: opkd train on-policy, then generating step t+1 beside step t's training
+    for schedule in sync one_step_off; do
+        python3 -m opkd_mcore.cli bench peers --runners opkd --pairs 0.6b:1.7b --teacher topk:64 --gpus 1 \
+            --make-models --set "schedule=$schedule" --timeout 240 --out "/tmp/peers_overlap1_$schedule" \
+            --results "$OUT/results.jsonl" "${@:2}" > "$OUT/peers_overlap1_$schedule.log" 2>&1
+        grep -E "^\|" "$OUT/peers_overlap1_$schedule.log" || tail -30 "$OUT/peers_overlap1_$schedule.log"
+    done ;;
   e2e_moe_sync)  # the EP=2 expert sync alone (e2e_moe's ep2-coloc, 2 GPUs, MOE_LAYERS), then from its log
                  # the phases (layers_in_flight_max, held_copy_s, load_s, recv_wait_s) and the buckets
                  # that took longest to load (source, bucket, wait s, load s): the per-expert loaders' cost
@@ -429,6 +440,12 @@ case "${1:-}" in
     python3 tools/bench_train_stage.py --model /tmp/models/qwen3-0.6b --profile \
         --results "$OUT/results.jsonl" > "$OUT/train_stage.log" 2>&1 \
         || { tail -n 40 "$OUT/train_stage.log"; exit 1; }
-    grep -B1 -A5 "^| row " "$OUT/train_stage.log" ;;
+    grep -B1 -A5 "^| row " "$OUT/train_stage.log"
+    # the same rows with expandable segments (no vLLM sleep mode shares this process): what new shapes
+    # cost the caching allocator
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 tools/bench_train_stage.py \
+        --model /tmp/models/qwen3-0.6b --results "$OUT/results.jsonl" > "$OUT/train_stage_expandable.log" 2>&1 \
+        || { tail -n 40 "$OUT/train_stage_expandable.log"; exit 1; }
+    grep -B1 -A5 "^| row " "$OUT/train_stage_expandable.log" ;;
   *) usage ;;
 esac
