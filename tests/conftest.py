@@ -52,7 +52,8 @@ EXTENDED = {
     # is the one test_teacher_remote.py checks
     "tests/test_cross_tokenizer_served.py::test_served_teacher_across_tokenizers_matches_the_in_process_teacher[prompt_logprobs]",
     # the benchmark tools' smoke tests that start engines: their table logic is tested without them
-    "tests/test_bench_peers.py::test_opkd_runner_reads_its_stages_from_metrics",
+    "tests/test_bench_peers.py::test_opkd_runner_reads_its_stages_from_metrics[sync]",
+    "tests/test_bench_peers.py::test_opkd_runner_reads_its_stages_from_metrics[one_step_off]",
     "tests/test_bench_tools.py::test_bench_step_reuses_its_actors_across_schedules",
     "tests/test_config_x8.py::test_bench_step_runs_a_config_files_workload_and_keeps_each_schedules_metrics",
     # SequentialMLP (model.moe_experts: sequential) keeps Qwen3-MoE at EP=2 (logits, export, training

@@ -355,8 +355,9 @@ def test_a_peer_generating_other_token_counts_shows_both():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_opkd_runner_reads_its_stages_from_metrics(tiny_pair, tmp_path):
-    w = tiny_workload(*tiny_pair, prompts_per_step=2, warmup_steps=1, steps=1)
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off"])  # one_step_off: the Ray controller, colocated
+def test_opkd_runner_reads_its_stages_from_metrics(tiny_pair, tmp_path, schedule):
+    w = tiny_workload(*tiny_pair, prompts_per_step=2, warmup_steps=1, steps=1, schedule=schedule)
     ctx = bench_peers.make_context(w, str(tmp_path), [])
     (tmp_path / "opkd").mkdir()
     rows = bench_peers.run_opkd(w, str(tmp_path / "opkd"), ctx)
