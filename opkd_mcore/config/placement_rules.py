@@ -18,6 +18,8 @@ from opkd_mcore.platform.device import device_type, is_cpu
 
 
 def colocated_under_ray(cfg: TrainConfig) -> bool:
+    """Whether the Ray controller's engines share the trainer ranks' devices (the torchrun job's
+    engine lives in the trainer's process and stays resident)."""
     return cfg.controller.kind == "ray" and cfg.controller.placement == "colocated"
 
 
