@@ -64,6 +64,12 @@ def test_colocated_engines_sleep_under_sync_and_stay_beside_an_overlapped_traine
                    "loss.support=null", "rollout.gpu_memory_utilization=0.6")
     assert resident_vllm_engines(in_step) == 1  # the rollout engine; the teacher runs in the trainer
     assert not engines_sleep_while_training(_cfg("run.schedule=one_step_off", "controller.kind=ray"))
+    # teacher actors are dealt over the bundles in teacher_actor_endpoints order, remote ones included:
+    # two ranks, a remote teacher (bundle 0), the vLLM one (bundle 1), the one engine (bundle 0)
+    two = _cfg(*colocated, "run.schedule=one_step_off", "parallel.world_size=2", "parallel.micro_batch_size=2",
+               "teacher.teachers.0.backend=remote", "teacher.teachers.0.url=http://a:1", "teacher.teachers.0.name=r")
+    two.teacher.teachers.append(type(two.teacher.teachers[0])(name="v", backend="vllm", model="Qwen/Qwen3-0.6B"))
+    assert resident_vllm_engines(two) == 1
 
 
 def test_ray_world_is_one_model_parallel_replica_unless_set():
@@ -214,7 +220,8 @@ def test_hang_message_names_the_bucket():
 
 
 def test_teacher_actors_per_endpoint():
-    from opkd_mcore.controller.placement import cpus_needed, teacher_actor_endpoints
+    from opkd_mcore.config.placement_rules import teacher_actor_endpoints
+    from opkd_mcore.controller.placement import cpus_needed
 
     cfg = _cfg("controller.kind=ray", "controller.teacher_replicas=2", "teacher.teachers.0.name=math",
                "teacher.teachers.0.data_sources=[gsm8k]")

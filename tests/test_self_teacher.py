@@ -290,7 +290,7 @@ def test_self_teacher_options_are_checked_naming_the_key(base, overrides, match)
 def test_self_teacher_kinds_and_routing(base):
     from opkd_mcore.config import load_config
     from opkd_mcore.config.loss_rules import runs_in_step, teacher_kind
-    from opkd_mcore.controller.placement import teacher_actor_endpoints
+    from opkd_mcore.config.placement_rules import teacher_actor_endpoints
 
     path, student = base
     dense = load_config(path, [])

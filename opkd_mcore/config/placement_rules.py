@@ -13,7 +13,7 @@ from __future__ import annotations
 from opkd_mcore.config.errors import ConfigError
 from opkd_mcore.config.loss_rules import runs_in_step
 from opkd_mcore.config.model_checks import launch_world_size
-from opkd_mcore.config.schema import TrainConfig
+from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
 from opkd_mcore.platform.device import device_type, is_cpu
 
 
@@ -29,19 +29,39 @@ def engines_sleep_while_training(cfg: TrainConfig) -> bool:
     return colocated_under_ray(cfg) and cfg.run.schedule == "sync"
 
 
+def teacher_actor_endpoints(cfg: TrainConfig) -> list[tuple[TeacherEndpoint, str | None]]:
+    """(endpoint, url) of every scoring-teacher actor: `controller.teacher_replicas` per in-process
+    teacher, one per URL of a remote one; none for an in-step teacher (megatron, or self with dense
+    output: it runs in the trainer)."""
+    actors = []
+    for t in cfg.teacher.teachers:
+        if runs_in_step(t):
+            continue
+        if t.backend == "remote":
+            actors += [(t, url) for url in [t.url, *t.replica_urls]]
+        else:
+            actors += [(t, None)] * cfg.controller.teacher_replicas
+    return actors
+
+
+def colocated_bundles(cfg: TrainConfig, world_size: int) -> tuple[list[int], list[int]]:
+    """The bundle of the colocated pool (one per trainer rank) that each rollout engine and each
+    teacher actor (in `teacher_actor_endpoints` order) joins: round-robin over the trainer ranks."""
+    return ([e % world_size for e in range(cfg.controller.rollout_engines)],
+            [i % world_size for i in range(len(teacher_actor_endpoints(cfg)))])
+
+
 def resident_vllm_engines(cfg: TrainConfig) -> int:
     """The most vLLM engines resident on one colocated device while the trainer trains: rollout
-    engines that do not sleep and in-process vLLM teachers, dealt round-robin over the trainer ranks'
-    bundles as `controller/placement.py` deals them."""
-    ranks, ctl = launch_world_size(cfg), cfg.controller
+    engines that do not sleep and in-process vLLM teachers."""
+    ranks = launch_world_size(cfg)
+    engine_at, teacher_at = colocated_bundles(cfg, ranks)
     per_device = [0] * ranks
     if not engines_sleep_while_training(cfg):
-        for e in range(ctl.rollout_engines):
-            per_device[e % ranks] += 1
-    actors = [t for t in cfg.teacher.teachers if not runs_in_step(t) and t.backend != "remote"]
-    vllm = [t.backend == "vllm" for t in actors for _ in range(ctl.teacher_replicas)]
-    for i, is_vllm in enumerate(vllm):
-        per_device[i % ranks] += is_vllm
+        for b in engine_at:
+            per_device[b] += 1
+    for b, (t, _) in zip(teacher_at, teacher_actor_endpoints(cfg)):
+        per_device[b] += t.backend == "vllm"
     return max(per_device)
 
 

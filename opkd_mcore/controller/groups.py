@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import time
 
+from opkd_mcore.config.placement_rules import teacher_actor_endpoints
 from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.controller.engine_workers import RolloutEngineWorker, TeacherWorker
-from opkd_mcore.controller.placement import Placement, teacher_actor_endpoints
+from opkd_mcore.controller.placement import Placement
 from opkd_mcore.controller.trainer_worker import TrainerWorker
 from opkd_mcore.platform import is_cpu
 from opkd_mcore.train.components import student_vocab_size

@@ -17,8 +17,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from opkd_mcore.config.loss_rules import runs_in_step
-from opkd_mcore.config.schema import TeacherEndpoint, TrainConfig
+from opkd_mcore.config.placement_rules import colocated_bundles, teacher_actor_endpoints
+from opkd_mcore.config.schema import TrainConfig
 from opkd_mcore.platform.ray_resources import ray_accelerator_resource, ray_actor_resources
 
 if TYPE_CHECKING:
@@ -42,21 +42,6 @@ class Slot:
         return {"num_cpus": self.cpus, **ray_actor_resources(device, self.accelerators),
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=self.bundle)}
-
-
-def teacher_actor_endpoints(cfg: TrainConfig) -> list[tuple[TeacherEndpoint, str | None]]:
-    """(endpoint, url) of every scoring-teacher actor: `controller.teacher_replicas` per in-process
-    teacher, one per URL of a remote one; none for an in-step teacher (megatron, or self with dense
-    output: it runs in the trainer)."""
-    actors = []
-    for t in cfg.teacher.teachers:
-        if runs_in_step(t):
-            continue
-        if t.backend == "remote":
-            actors += [(t, url) for url in [t.url, *t.replica_urls]]
-        else:
-            actors += [(t, None)] * cfg.controller.teacher_replicas
-    return actors
 
 
 def _wait_ready(pg, name: str, bundles: list[dict], timeout_s: float) -> None:
@@ -119,18 +104,18 @@ class Placement:
                              f"engine of {ctl.rollout_tp} devices would span several bundles); use 1, or "
                              "placement: disaggregated")
         # colocated: one bundle per trainer rank; engines and teachers share bundles round-robin
+        engine_at, teacher_at = colocated_bundles(cfg, world_size)
         members = [["trainer"] for _ in range(world_size)]
-        for e in range(ctl.rollout_engines):
-            members[e % world_size].append("rollout")
-        for i, devices in enumerate(teacher_devices):
-            members[i % world_size].append("teacher" if devices else "teacher-remote")
+        for b in engine_at:
+            members[b].append("rollout")
+        for b, devices in zip(teacher_at, teacher_devices):
+            members[b].append("teacher" if devices else "teacher-remote")
         shares = [1.0 / sum(m != "teacher-remote" for m in ms) for ms in members]
         pg = pool("shared", [bundle(cpus * len(ms), 1) for ms in members])
         self.trainer = [Slot(pg, i, cpus, shares[i]) for i in range(world_size)]
-        self.rollout = [Slot(pg, e % world_size, cpus, shares[e % world_size])
-                        for e in range(ctl.rollout_engines)]
-        self.teachers = [Slot(pg, i % world_size, cpus, shares[i % world_size] if d else 0.0)
-                         for i, d in enumerate(teacher_devices)]
+        self.rollout = [Slot(pg, b, cpus, shares[b]) for b in engine_at]
+        self.teachers = [Slot(pg, b, cpus, shares[b] if d else 0.0)
+                         for b, d in zip(teacher_at, teacher_devices)]
 
     def shared_device(self, slot: Slot) -> tuple | None:
         """The device `slot` shares with other actors' slots, as (placement group, bundle), or None
