@@ -345,7 +345,8 @@ case "${1:-}" in
     cp /tmp/peers_trl/0.6b_from_1.7b_top-64_1gpu/trl/steps.jsonl "$OUT/peers_trl_steps.jsonl" 2>/dev/null
     grep -E "^\|" "$OUT/bench_peers_trl.log" || tail -30 "$OUT/bench_peers_trl.log" ;;
   peers_overlap1)  # one GPU: opkd train on-policy, then generating step t+1 beside step t's training
-    for schedule in sync one_step_off; do
+                   # (SCHEDULES picks them: "sync one_step_off", each ~3-4 minutes)
+    for schedule in ${SCHEDULES:-sync one_step_off}; do
         python3 -m opkd_mcore.cli bench peers --runners opkd --pairs 0.6b:1.7b --teacher topk:64 --gpus 1 \
             --make-models --set "schedule=$schedule" --timeout 240 --out "/tmp/peers_overlap1_$schedule" \
             --results "$OUT/results.jsonl" "${@:2}" > "$OUT/peers_overlap1_$schedule.log" 2>&1
