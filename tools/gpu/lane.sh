@@ -345,12 +345,14 @@ case "${1:-}" in
     cp /tmp/peers_trl/0.6b_from_1.7b_top-64_1gpu/trl/steps.jsonl "$OUT/peers_trl_steps.jsonl" 2>/dev/null
     grep -E "^\|" "$OUT/bench_peers_trl.log" || tail -30 "$OUT/bench_peers_trl.log" ;;
   peers_overlap1)  # one GPU: opkd train on-policy, then generating step t+1 beside step t's training
-                   # (SCHEDULES picks them: "sync one_step_off", each ~3-4 minutes)
+                   # (SCHEDULES picks them: "sync one_step_off", each ~3-4 minutes for the 0.6B pair;
+                   # PAIR, 0.6b:1.7b, and TEACHER, topk:64, as `opkd bench peers` takes them)
+    pair=${PAIR:-0.6b:1.7b}; teacher=${TEACHER:-topk:64}; v=${pair/:/_from_}_${teacher/:/}
     for schedule in ${SCHEDULES:-sync one_step_off}; do
-        python3 -m opkd_mcore.cli bench peers --runners opkd --pairs 0.6b:1.7b --teacher topk:64 --gpus 1 \
-            --make-models --set "schedule=$schedule" --timeout 240 --out "/tmp/peers_overlap1_$schedule" \
-            --results "$OUT/results.jsonl" "${@:2}" > "$OUT/peers_overlap1_$schedule.log" 2>&1
-        grep -E "^\|" "$OUT/peers_overlap1_$schedule.log" || tail -30 "$OUT/peers_overlap1_$schedule.log"
+        python3 -m opkd_mcore.cli bench peers --runners opkd --pairs "$pair" --teacher "$teacher" --gpus 1 \
+            --make-models --set "schedule=$schedule" --timeout 240 --out "/tmp/peers_overlap1_${v}_$schedule" \
+            --results "$OUT/results.jsonl" "${@:2}" > "$OUT/peers_overlap1_${v}_$schedule.log" 2>&1
+        grep -E "^\|" "$OUT/peers_overlap1_${v}_$schedule.log" || tail -30 "$OUT/peers_overlap1_${v}_$schedule.log"
     done ;;
   e2e_moe_sync)  # the EP=2 expert sync alone (e2e_moe's ep2-coloc, 2 GPUs, MOE_LAYERS), then from its log
                  # the phases (layers_in_flight_max, held_copy_s, load_s, recv_wait_s) and the buckets
