@@ -336,14 +336,16 @@ case "${1:-}" in
     grep "peak GPU memory" "$OUT/train_moe$t.log" ;;
   peers_trl)  # opkd bench peers, TRL then opkd train on one GPU; the table's notes say how many generate
               # calls and sequences each TRL step made, and its response tokens beside opkd's where they differ
+              # (PAIR, 0.6b:1.7b, and TEACHER, topk:64, as `opkd bench peers` takes them)
     PYTHONPATH=/tmp/site-trl:$PYTHONPATH python3 -c "import trl" 2>/dev/null || { echo "trl is not" \
         "importable from /tmp/site-trl: install the peers' wheels (tools/gpu/README.md, Against other" \
         "trainers)"; exit 1; }
-    python3 -m opkd_mcore.cli bench peers --runners trl,opkd --pairs 0.6b:1.7b --teacher topk:64 --gpus 1 \
-        --make-models --trl-path /tmp/site-trl --timeout 280 --out /tmp/peers_trl --results "$OUT/results.jsonl" "${@:2}" \
-        > "$OUT/bench_peers_trl.log" 2>&1
-    cp /tmp/peers_trl/0.6b_from_1.7b_top-64_1gpu/trl/steps.jsonl "$OUT/peers_trl_steps.jsonl" 2>/dev/null
-    grep -E "^\|" "$OUT/bench_peers_trl.log" || tail -30 "$OUT/bench_peers_trl.log" ;;
+    pair=${PAIR:-0.6b:1.7b}; teacher=${TEACHER:-topk:64}; v=${pair/:/_from_}_${teacher/:/}
+    python3 -m opkd_mcore.cli bench peers --runners trl,opkd --pairs "$pair" --teacher "$teacher" --gpus 1 \
+        --make-models --trl-path /tmp/site-trl --timeout 280 --out "/tmp/peers_trl_$v" \
+        --results "$OUT/results.jsonl" "${@:2}" > "$OUT/bench_peers_trl_$v.log" 2>&1
+    cp /tmp/peers_trl_"$v"/*_1gpu/trl/steps.jsonl "$OUT/peers_trl_${v}_steps.jsonl" 2>/dev/null
+    grep -E "^\|" "$OUT/bench_peers_trl_$v.log" || tail -30 "$OUT/bench_peers_trl_$v.log" ;;
   peers_overlap1)  # one GPU: opkd train on-policy, then generating step t+1 beside step t's training
                    # (SCHEDULES picks them: "sync one_step_off", each ~3-4 minutes for the 0.6B pair;
                    # PAIR, 0.6b:1.7b, and TEACHER, topk:64, as `opkd bench peers` takes them)
