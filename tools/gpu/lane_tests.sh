@@ -22,10 +22,11 @@ lane_tests() {  # lane.sh tests* / controller2 STEP [ARGS]
       bash "$0" tests tests/test_teacher_vllm.py tests/test_teacher_remote.py ;;
     tests5)  # one GPU: the device top-k teacher and its server, the self teacher (2-GPU cases: tests_pair6)
       bash "$0" tests tests/test_teacher_device_topk.py tests/test_teacher_score_server.py tests/test_self_teacher.py ;;
-    tests7)  # one GPU: the self- and cross-tokenizer demos (4 passed in 511 s with tests8's, 4x H200, TE)
-      bash "$0" tests tests/test_demo_self_distill.py tests/test_demo_cross_tokenizer.py ;;
-    tests8)  # one GPU: the served cross-tokenizer teacher (its engines start one at a time), the peers harness
-      bash "$0" tests tests/test_cross_tokenizer_served.py tests/test_bench_peers.py ;;
+    tests7)  # one GPU: the self- and cross-tokenizer demos (294 s on an H200 with TE), the peers harness
+      bash "$0" tests tests/test_demo_self_distill.py tests/test_demo_cross_tokenizer.py tests/test_bench_peers.py ;;
+    tests8)  # one GPU: the served cross-tokenizer teacher, both routes; its engines start one at a time (a
+             # server and three engines per route: the first route ran past 200 s on an H200 with TE)
+      bash "$0" tests tests/test_cross_tokenizer_served.py ;;
     tests_pair)  # the tests that one GPU skips (2 ranks: Megatron-student weight-sync layouts, EP=2, TP/PP=2 train)
       bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py tests/test_models_moe_e2e.py \
           tests/test_train_resume.py tests/test_train_integration.py tests/test_models_moe_train.py \
