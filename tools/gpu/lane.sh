@@ -340,7 +340,7 @@ case "${1:-}" in
     PYTHONPATH=/tmp/site-trl:$PYTHONPATH python3 -c "import trl" 2>/dev/null || { echo "trl is not" \
         "importable from /tmp/site-trl: install the peers' wheels (tools/gpu/README.md, Against other" \
         "trainers)"; exit 1; }
-    pair=${PAIR:-0.6b:1.7b}; teacher=${TEACHER:-topk:64}; v=${pair/:/_from_}_${teacher/:/}
+    peers_workload
     python3 -m opkd_mcore.cli bench peers --runners trl,opkd --pairs "$pair" --teacher "$teacher" --gpus 1 \
         --make-models --trl-path /tmp/site-trl --timeout 280 --out "/tmp/peers_trl_$v" \
         --results "$OUT/results.jsonl" "${@:2}" > "$OUT/bench_peers_trl_$v.log" 2>&1
@@ -349,7 +349,7 @@ case "${1:-}" in
   peers_overlap1)  # one GPU: opkd train on-policy, then generating step t+1 beside step t's training
                    # (SCHEDULES picks them: "sync one_step_off", each ~3-4 minutes for the 0.6B pair;
                    # PAIR, 0.6b:1.7b, and TEACHER, topk:64, as `opkd bench peers` takes them)
-    pair=${PAIR:-0.6b:1.7b}; teacher=${TEACHER:-topk:64}; v=${pair/:/_from_}_${teacher/:/}
+    peers_workload
     for schedule in ${SCHEDULES:-sync one_step_off}; do
         python3 -m opkd_mcore.cli bench peers --runners opkd --pairs "$pair" --teacher "$teacher" --gpus 1 \
             --make-models --set "schedule=$schedule" --timeout 240 --out "/tmp/peers_overlap1_${v}_$schedule" \

@@ -1,5 +1,5 @@
 # Shared by the GPU lane's steps (sourced by tools/gpu/lane.sh): peak memory, the 4-GPU checkpoints,
-# the nvidia-smi sampler.
+# the nvidia-smi sampler, the peers steps' workload.
 
 gpu_memory_log() {  # peak used memory per GPU while "$@" runs
   local log=$1; shift
@@ -39,4 +39,9 @@ start_smi_sampler() {  # every GPU's utilization and memory twice a second into 
   nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 500 \
       | while IFS= read -r line; do e=${EPOCHREALTIME:-$(date +%s.%N)}; echo "${e/,/.}, $line"; done > "$1" &
   sampler=$!
+}
+
+peers_workload() {  # the peers steps' pair and teacher (PAIR, TEACHER, as `opkd bench peers` takes them) in
+                    # $pair and $teacher, and $v naming their logs and scratch folders apart
+  pair=${PAIR:-0.6b:1.7b}; teacher=${TEACHER:-topk:64}; v=${pair/:/_from_}_${teacher/:/}
 }

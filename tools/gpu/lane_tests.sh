@@ -24,8 +24,8 @@ lane_tests() {  # lane.sh tests* / controller2 STEP [ARGS]
       bash "$0" tests tests/test_teacher_device_topk.py tests/test_teacher_score_server.py tests/test_self_teacher.py ;;
     tests7)  # one GPU: the self- and cross-tokenizer demos (294 s on an H200 with TE), the peers harness
       bash "$0" tests tests/test_demo_self_distill.py tests/test_demo_cross_tokenizer.py tests/test_bench_peers.py ;;
-    tests8)  # one GPU: the served cross-tokenizer teacher, both routes; its engines start one at a time (a
-             # server and three engines per route: the first route ran past 200 s on an H200 with TE)
+    tests8)  # one GPU: the served cross-tokenizer teacher, both routes, a call of its own: per route a server
+             # and three engines start one at a time (vLLM's start-up measures the device's free memory)
       bash "$0" tests tests/test_cross_tokenizer_served.py ;;
     tests_pair)  # the tests that one GPU skips (2 ranks: Megatron-student weight-sync layouts, EP=2, TP/PP=2 train)
       bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py tests/test_models_moe_e2e.py \
