@@ -13,7 +13,7 @@
 #                                         # or tests_pair1 .. tests_pair4, tests_aborts
 #   bash tools/gpu/lane.sh tests_quad     # what two GPUs skip (4 ranks; nvidia-h100-x4)
 #   bash tools/gpu/lane.sh tests_x4 a     # the GPU suite on 4 GPUs in five calls (a to e), parts side by
-#                                         # side; tests_x2 a to i on 2 GPUs (tools/gpu/README.md lists them)
+#                                         # side; tests_x2 a to j on 2 GPUs (tools/gpu/README.md lists them)
 #   bash tools/gpu/lane.sh tests_on 0:tests6 1:tests5 2,3:tests_pair3+tests_pair4   # any parts, each job
 #                                         # on its GPUs, a job's parts one after the other
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
@@ -104,7 +104,7 @@ source "$here/lane_tests.sh"
 source "$here/lane_x8.sh"
 
 case "${1:-}" in
-  tests|tests[0-9]|tests_*|controller2) lane_tests "$@" ;;
+  tests|tests[0-9]|tests[0-9][0-9]|tests_*|controller2) lane_tests "$@" ;;
   models8|models8_fg|train8_*|e2e8) lane_x8 "$@" ;;
   e2e)  # e2e SHAPE LAYOUT: Megatron -> vLLM weight sync against the raw transfer (bench_weight_sync --e2e)
         # (an 8B run takes several minutes: engine start, loading 16 GB, raw transfer; give it >= 280 s)

@@ -22,11 +22,16 @@ lane_tests() {  # lane.sh tests* / controller2 STEP [ARGS]
       bash "$0" tests tests/test_teacher_vllm.py tests/test_teacher_remote.py ;;
     tests5)  # one GPU: the device top-k teacher and its server, the self teacher (2-GPU cases: tests_pair6)
       bash "$0" tests tests/test_teacher_device_topk.py tests/test_teacher_score_server.py tests/test_self_teacher.py ;;
-    tests7)  # one GPU: the self- and cross-tokenizer demos (294 s on an H200 with TE), the peers harness
-      bash "$0" tests tests/test_demo_self_distill.py tests/test_demo_cross_tokenizer.py tests/test_bench_peers.py ;;
-    tests8)  # one GPU: the served cross-tokenizer teacher, both routes, a call of its own: per route a server
-             # and three engines start one at a time (vLLM's start-up measures the device's free memory)
-      bash "$0" tests tests/test_cross_tokenizer_served.py ;;
+    tests7)  # one GPU: the self- and cross-tokenizer demos (225 s on an H200 with TE)
+      bash "$0" tests tests/test_demo_self_distill.py tests/test_demo_cross_tokenizer.py ;;
+    tests8)  # one GPU: the served cross-tokenizer teacher, `opkd teacher-serve`'s route (292 s on an H200
+             # with TE): a server and three engines start one at a time (vLLM's start-up measures the
+             # device's free memory)
+      bash "$0" tests tests/test_cross_tokenizer_served.py -k device ;;
+    tests9)  # one GPU: the same through the stock `vllm serve` (prompt_logprobs route)
+      bash "$0" tests tests/test_cross_tokenizer_served.py -k prompt_logprobs ;;
+    tests10)  # one GPU: the peers harness's `opkd train` runner, sync and one_step_off (Ray, colocated)
+      bash "$0" tests tests/test_bench_peers.py ;;
     tests_pair)  # the tests that one GPU skips (2 ranks: Megatron-student weight-sync layouts, EP=2, TP/PP=2 train)
       bash "$0" tests tests/test_weight_sync_vllm.py tests/test_weight_sync_moe.py tests/test_models_moe_e2e.py \
           tests/test_train_resume.py tests/test_train_integration.py tests/test_models_moe_train.py \
@@ -56,7 +61,7 @@ lane_tests() {  # lane.sh tests* / controller2 STEP [ARGS]
         tests_x4:b) jobs=("0:tests3" "1:tests4" "2,3:tests_pair2") ;;
         tests_x4:c) jobs=("0,1:tests_aborts+tests_pair4" "2,3:tests_pair3") ;;
         tests_x4:d) jobs=("0:tests5" "1:tests6" "2,3:tests_pair5+tests_pair6") ;;
-        tests_x4:e) jobs=("0:tests7" "1:tests8") ;;
+        tests_x4:e) jobs=("0:tests7" "1:tests8" "2:tests9" "3:tests10") ;;
         tests_x2:a) jobs=("0:tests3" "1:tests1") ;;
         tests_x2:b) jobs=("0,1:tests_pair1") ;;
         tests_x2:c) jobs=("0:tests2" "1:tests4") ;;
@@ -66,6 +71,7 @@ lane_tests() {  # lane.sh tests* / controller2 STEP [ARGS]
         tests_x2:g) jobs=("0:tests5" "1:tests6") ;;
         tests_x2:h) jobs=("0,1:tests_pair5+tests_pair6") ;;
         tests_x2:i) jobs=("0:tests7" "1:tests8") ;;
+        tests_x2:j) jobs=("0:tests9" "1:tests10") ;;
         *) echo "$1: no part ${2}" >&2; exit 2 ;;
       esac
       bash "$0" tests_on "${jobs[@]}" ;;
