@@ -7,7 +7,7 @@
 #
 #   bash tools/gpu/lane.sh tests          # pytest -m "gpu or vllm": every vLLM test CI runs on CPU, on CUDA
 #                                         # (not the Ray-cluster tests: CPU bundles; `steps` is Ray on GPUs)
-#   bash tools/gpu/lane.sh tests1         # the same in five parts, tests1 .. tests5, each for one
+#   bash tools/gpu/lane.sh tests1         # the same in one-GPU parts, tests1 .. tests10, each for one
 #                                         # 10-minute device call (the whole took ~15 min on an H100)
 #   TESTS_DEADLINE=540 bash tools/gpu/lane.sh tests_pair   # what one GPU skips (2 GPUs; >9 minutes),
 #                                         # or tests_pair1 .. tests_pair4, tests_aborts
