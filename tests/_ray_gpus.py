@@ -17,7 +17,8 @@ def cluster_declaring_gpus(num_gpus: int, num_cpus: int):
     """A local Ray cluster with `num_gpus` declared GPUs (none needed); yields the `ray` module."""
     import ray
 
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+             log_to_driver=False)
     try:
         yield ray
     finally:

@@ -50,7 +50,7 @@ def cluster(tmp_path_factory):
     # a larger step than the CPU module's: the weights must move well past the GPU's float32 bound
     path = write_run_config(root, rollout={"gpu_memory_utilization": 0.2}, optim={"lr": 1e-2},
                             checkpoint={"export_hf_at_end": True})
-    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
     groups = None
     try:
         groups = WorkerGroups(load_config(path, OVERRIDES), world_size=2)

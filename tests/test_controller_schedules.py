@@ -67,7 +67,7 @@ def cluster(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("controller")
     path = write_run_config(root)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}})
     groups = None
     try:
