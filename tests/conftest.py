@@ -101,3 +101,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+class _LongFilesFirst:
+    """Runs the files holding a `slow` or `vllm` test first, each file's tests together and in their
+    order: under `-n 2 --dist loadfile` the two workers start on the long files and the short ones fill
+    in at the end, instead of a long file starting last beside an idle worker."""
+
+    @pytest.hookimpl(trylast=True)  # after `-m` has deselected
+    def pytest_collection_modifyitems(self, items):
+        long_files = {item.path for item in items if "slow" in item.keywords or "vllm" in item.keywords}
+        items.sort(key=lambda item: item.path not in long_files)  # stable: collection order otherwise
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_LongFilesFirst(), "long-files-first")
+    if hasattr(config.option, "loadscopereorder"):
+        # xdist's file scheduling would otherwise queue the files by their number of tests, the long
+        # files (a few tests each) last
+        config.option.loadscopereorder = False
