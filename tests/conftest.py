@@ -95,6 +95,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in EXTENDED:
             item.add_marker(pytest.mark.extended)
+    # the files holding a slow or vLLM test first, each file's tests together and in their order: under
+    # `-n 2 --dist loadfile` the two workers start on the long files and the short ones fill in at the end
+    long_files = {item.path for item in items if "slow" in item.keywords or "vllm" in item.keywords}
+    items.sort(key=lambda item: item.path not in long_files)  # stable: collection order otherwise
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -103,19 +107,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-class _LongFilesFirst:
-    """Runs the files holding a `slow` or `vllm` test first, each file's tests together and in their
-    order: under `-n 2 --dist loadfile` the two workers start on the long files and the short ones fill
-    in at the end, instead of a long file starting last beside an idle worker."""
-
-    @pytest.hookimpl(trylast=True)  # after `-m` has deselected
-    def pytest_collection_modifyitems(self, items):
-        long_files = {item.path for item in items if "slow" in item.keywords or "vllm" in item.keywords}
-        items.sort(key=lambda item: item.path not in long_files)  # stable: collection order otherwise
-
-
 def pytest_configure(config):
-    config.pluginmanager.register(_LongFilesFirst(), "long-files-first")
     if hasattr(config.option, "loadscopereorder"):
         # xdist's file scheduling would otherwise queue the files by their number of tests, the long
         # files (a few tests each) last
