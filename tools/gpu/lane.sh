@@ -211,10 +211,16 @@ case "${1:-}" in
       done
      done
     done ;;
-  moe1)  # the same MoE student at EP=1 on one GPU: half the layers, to fit its optimizer state
-    python3 -m torch.distributed.run --nproc_per_node 1 tools/bench_models.py --moe --layers 4 --seq 4096 \
-        --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" \
-        --out "$OUT/moe1.json" --results "$OUT/results.jsonl" > "$OUT/moe1.log" 2>&1; grep "^|" "$OUT/moe1.log" || tail -20 "$OUT/moe1.log" ;;
+  moe1)  # the same MoE student at EP=1 on one GPU: half the layers, to fit its optimizer state;
+         # MOE_FUSIONS and PROFILE as for moe (a process per MOE_FUSIONS value)
+    for fus in $(echo "${MOE_FUSIONS:-0}" | tr , ' '); do
+      case $fus in 0) fopt=;; 1) fopt=--moe-fusions;; *) echo "MOE_FUSIONS: expected 0 or 1, got $fus"; exit 2;; esac
+      python3 -m torch.distributed.run --nproc_per_node 1 tools/bench_models.py --moe --layers 4 --seq 4096 \
+          --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" $fopt \
+          ${PROFILE:+--profile "$OUT/moe1${fopt:+_fused}_profile"} --out "$OUT/moe1${fopt:+_fused}.json" \
+          --results "$OUT/results.jsonl" > "$OUT/moe1${fopt:+_fused}.log" 2>&1
+      grep "^|" "$OUT/moe1${fopt:+_fused}.log" || tail -20 "$OUT/moe1${fopt:+_fused}.log"
+    done ;;
   steps1)  # bench_step on one GPU: trainer rank, rollout engine and teacher share it (colocated: sync only)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
         --teacher-backend vllm --prompts 32 --n 4 --max-new-tokens 256 --micro-batch 16 --params-dtype bfloat16 --steps 6 --gpu-memory-utilization 0.2 \
