@@ -27,6 +27,14 @@ def megatron_fp32_rel(otherwise: float) -> float:
     return 2.0 ** -11 if transformer_engine_usable() else otherwise
 
 
+def vllm_fp32_rel(otherwise: float) -> float:
+    """The relative bound between results computed from two float32 vLLM engines' scores of the same
+    rows: on a GPU, vLLM's Triton attention rounds float32 inputs to TF32 (`VLLM_FP32_LOGPROB_ATOL`),
+    so last-bit differences between the engines (differently shaped batches) can come out as TF32's
+    unit roundoff 2**-11; on CPU `otherwise`, the test's own float32 bound."""
+    return 2.0 ** -11 if torch.cuda.is_available() else otherwise
+
+
 def engine_kwargs(**extra) -> dict:
     """Keyword arguments for a `vllm.LLM` (or RolloutConfig / VllmTeacherConfig) built by a test."""
     return {"gpu_memory_utilization": ENGINE_MEMORY, **extra}
