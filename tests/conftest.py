@@ -16,23 +16,25 @@ ENGINE_MEMORY = 0.12
 # a served teacher's prompt logprobs): the bound follows the arithmetic of the device.
 VLLM_FP32_LOGPROB_ATOL = 6e-3 if torch.cuda.is_available() else 2e-3
 
+TF32_UNIT_ROUNDOFF = 2.0 ** -11   # TF32 keeps 10 mantissa bits
+
 
 def megatron_fp32_rel(otherwise: float) -> float:
     """The relative bound of a float32 Megatron model's losses against a full-fp32 (or float64)
     reference: where Transformer Engine builds the layers, their fp32 GEMMs run in TF32 whatever
-    torch's flags say (TE's cuBLAS default, 10-bit mantissa), so TF32's unit roundoff 2**-11; elsewhere
+    torch's flags say (TE's cuBLAS default, 10-bit mantissa), so TF32's unit roundoff; elsewhere
     `otherwise`, the test's own float32 bound."""
     from opkd_mcore.models.builder import transformer_engine_usable
 
-    return 2.0 ** -11 if transformer_engine_usable() else otherwise
+    return TF32_UNIT_ROUNDOFF if transformer_engine_usable() else otherwise
 
 
 def vllm_fp32_rel(otherwise: float) -> float:
     """The relative bound between results computed from two float32 vLLM engines' scores of the same
     rows: on a GPU, vLLM's Triton attention rounds float32 inputs to TF32 (`VLLM_FP32_LOGPROB_ATOL`),
     so last-bit differences between the engines (differently shaped batches) can come out as TF32's
-    unit roundoff 2**-11; on CPU `otherwise`, the test's own float32 bound."""
-    return 2.0 ** -11 if torch.cuda.is_available() else otherwise
+    unit roundoff; on CPU `otherwise`, the test's own float32 bound."""
+    return TF32_UNIT_ROUNDOFF if torch.cuda.is_available() else otherwise
 
 
 def engine_kwargs(**extra) -> dict:

@@ -199,7 +199,7 @@ case "${1:-}" in
        for fus in $(echo "${MOE_FUSIONS:-0}" | tr , ' '); do
         case $ov in 0) opt=;; distopt) opt=--distributed-optimizer;; 1) opt=--overlap;;
                     *) echo "MOE_OVERLAP: expected 0, distopt or 1, got $ov"; exit 2;; esac
-        case $fus in 0) fopt=;; 1) fopt=--moe-fusions;; *) echo "MOE_FUSIONS: expected 0 or 1, got $fus"; exit 2;; esac
+        moe_fusions_opt "$fus"
         v=; [ "$tok" = 4096 ] && [ "$ov" = 0 ] || v="_t${tok}_o$ov"  # the default run keeps its file names
         v=$v${bal:+_balanced}${MOE_ETP:+_etp$MOE_ETP}${MOE_SEQ:+_s$MOE_SEQ}${fopt:+_fused}
         python3 -m torch.distributed.run --standalone --nproc_per_node "$n" tools/bench_models.py --moe \
@@ -214,12 +214,11 @@ case "${1:-}" in
   moe1)  # the same MoE student at EP=1 on one GPU: half the layers, to fit its optimizer state;
          # MOE_FUSIONS and PROFILE as for moe (a process per MOE_FUSIONS value)
     for fus in $(echo "${MOE_FUSIONS:-0}" | tr , ' '); do
-      case $fus in 0) fopt=;; 1) fopt=--moe-fusions;; *) echo "MOE_FUSIONS: expected 0 or 1, got $fus"; exit 2;; esac
+      moe_fusions_opt "$fus"; f=$OUT/moe1${fopt:+_fused}
       python3 -m torch.distributed.run --nproc_per_node 1 tools/bench_models.py --moe --layers 4 --seq 4096 \
           --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" $fopt \
-          ${PROFILE:+--profile "$OUT/moe1${fopt:+_fused}_profile"} --out "$OUT/moe1${fopt:+_fused}.json" \
-          --results "$OUT/results.jsonl" > "$OUT/moe1${fopt:+_fused}.log" 2>&1
-      grep "^|" "$OUT/moe1${fopt:+_fused}.log" || tail -20 "$OUT/moe1${fopt:+_fused}.log"
+          ${PROFILE:+--profile "${f}_profile"} --out "$f.json" --results "$OUT/results.jsonl" > "$f.log" 2>&1
+      grep "^|" "$f.log" || tail -20 "$f.log"
     done ;;
   steps1)  # bench_step on one GPU: trainer rank, rollout engine and teacher share it (colocated: sync only)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \

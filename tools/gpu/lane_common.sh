@@ -45,3 +45,8 @@ peers_workload() {  # the peers steps' pair and teacher (PAIR, TEACHER, as `opkd
                     # $pair and $teacher, and $v naming their logs and scratch folders apart
   pair=${PAIR:-0.6b:1.7b}; teacher=${TEACHER:-topk:64}; v=${pair/:/_from_}_${teacher/:/}
 }
+
+moe_fusions_opt() {  # MOE_FUSIONS value $1 (0 or 1) -> $fopt, bench_models.py's flag for Megatron's fused
+                     # permutation and router (empty for 0); exits on anything else
+  case $1 in 0) fopt=;; 1) fopt=--moe-fusions;; *) echo "MOE_FUSIONS: expected 0 or 1, got $1"; exit 2;; esac
+}
