@@ -368,7 +368,7 @@ case "${1:-}" in
     grep -hE "^host seconds by phase|^slowest bucket loads" \
         "$OUT/e2e_moe${MOE_LAYERS:-8}l_ep2-coloc${TAG:-}.log" ;;
   train_moe_teacher)  # one GPU: the 0.6B student with an MoE teacher in its step (the Qwen3-30B-A3B shape with
-                      # MOE_LAYERS of its layers, default 8; EP=1, the experts module model.moe_experts picks),
+                      # MOE_LAYERS of its layers, default 8; EP=1, the experts `auto` picks: grouped GEMMs),
                       # then the same run with the dense 1.7B Megatron teacher in the step; models made if missing
     t=${TAG:-}; l=${MOE_LAYERS:-8}; m=/tmp/models/qwen3-30b-a3b-${l}l
     [ -d "$m" ] || python3 tools/make_model.py --force --shape qwen3-30b-a3b --layers "$l" --out "$m" --device cuda
