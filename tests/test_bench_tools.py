@@ -312,7 +312,7 @@ def test_bench_models_moe_fusions_without_transformer_engine_is_an_error_naming_
     from tools import bench_models
     from tools.bench_models_moe import _run_one
 
-    monkeypatch.setattr(sys, "argv", ["bench_models.py", "--moe", "--moe-fusions"])
+    monkeypatch.setattr(sys, "argv", ["bench_models.py", "--moe", "--moe-fusions", "on"])
     with pytest.raises(SystemExit, match="--moe-fusions: .*Transformer Engine is not importable"):
         _run_one(bench_models.parse_args(), 1, "sequential")
 

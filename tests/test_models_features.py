@@ -94,6 +94,10 @@ def test_kernel_fusions_follow_the_layer_spec(qwen3_dir, one_rank):
 
     assert kernel_fusions(True) == dict(bias_activation_fusion=True, apply_rope_fusion=True)
     assert kernel_fusions(False) == dict(bias_activation_fusion=False, apply_rope_fusion=False)
+    # an MoE model's fused permutation and router follow the same spec
+    assert kernel_fusions(True, moe=True) == dict(bias_activation_fusion=True, apply_rope_fusion=True,
+                                                  moe_permute_fusion=True, moe_router_fusion=True)
+    assert not any(kernel_fusions(False, moe=True).values())
     config = build_model(load_hf_config(qwen3_dir))[0].config  # CPU: the local spec
     assert (config.bias_activation_fusion, config.apply_rope_fusion) == (False, False)
     # the TE build's config takes them; an explicit override still wins (the benchmark's A/B, and

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opkd_mcore.models.grouped_experts import te_available
+from opkd_mcore.models.builder import transformer_engine_usable
 from opkd_mcore.models.tiny import TinyModelShape, save_tiny_hf_model
 from tests._dist import run_distributed
 from tests.test_models_gpu import NCCL_ENV
@@ -64,7 +64,8 @@ def _worker(rank, world_size, hf_dir, impls):
             grads = [tuple(g.detach().float().cpu().numpy() for g in _expert_grads(layer.mlp.experts))
                      for layer in chunks[0].decoder.layers]
             out[impl] = dict(logits=logits[..., :cfg.vocab_size].detach().float().cpu().numpy(), bad=bad, grads=grads,
-                             module=type(chunks[0].decoder.layers[0].mlp.experts).__name__)
+                             module=type(chunks[0].decoder.layers[0].mlp.experts).__name__,
+                             fusions=(chunks[0].config.moe_permute_fusion, chunks[0].config.moe_router_fusion))
             del chunks, logits, loss
         return out
     finally:
@@ -76,7 +77,7 @@ def _worker(rank, world_size, hf_dir, impls):
 def test_grouped_experts_match_sequential_and_hf(tmp_path, impl, record_property):
     from transformers import AutoModelForCausalLM
 
-    if impl == "te_grouped" and not te_available():
+    if impl == "te_grouped" and not transformer_engine_usable():
         pytest.skip("needs Transformer Engine")
     shape = TinyModelShape(hidden_size=256, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=64, vocab_size=512, extra=dict(moe_intermediate_size=128))
@@ -89,6 +90,9 @@ def test_grouped_experts_match_sequential_and_hf(tmp_path, impl, record_property
             ref[dtype] = model(input_ids=tokens[:, :-1].cuda()).logits.float().cpu()
     (res,) = run_distributed(_worker, 1, hf_dir, ("sequential", impl), backend=None, env=NCCL_ENV)
     assert res[impl]["module"] == {"torch_grouped": "TorchGroupedMLP", "te_grouped": "TEGroupedMLP"}[impl]
+    # with TE every module runs behind Megatron's fused permutation and router (models.builder.kernel_fusions)
+    te = transformer_engine_usable()
+    assert res["sequential"]["fusions"] == res[impl]["fusions"] == (te, te)
     err_hf_bf16 = (ref[torch.bfloat16] - ref[torch.float32]).abs().max().item()
     for name in ("sequential", impl):
         assert res[name]["bad"] == []

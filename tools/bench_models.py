@@ -77,9 +77,10 @@ def parse_args():
     p.add_argument("--overlap", action="store_true",
                    help="--moe: the distributed optimizer with optim.overlap_grad_reduce and "
                         "optim.overlap_param_gather (DP collectives overlapped with backward / forward)")
-    p.add_argument("--moe-fusions", action="store_true",
+    p.add_argument("--moe-fusions", default="auto", choices=("auto", "on", "off"),
                    help="--moe: Megatron's fused token permutation and fused router top-k with its aux loss "
-                        "(moe_permute_fusion, moe_router_fusion: Transformer Engine's kernels)")
+                        "(moe_permute_fusion, moe_router_fusion: Transformer Engine's kernels); auto: as "
+                        "opkd train builds the model (on where TE builds it, models.builder.kernel_fusions)")
     p.add_argument("--balanced-routing", action="store_true",
                    help="--moe: Megatron's moe_router_force_load_balancing (random router logits, every expert "
                         "about the mean load), standing in for a trained router: a random-weight router sends "

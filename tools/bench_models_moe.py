@@ -98,12 +98,13 @@ def _run_one(args, ep: int, moe_experts: str) -> dict:
                            head_dim=args.head_dim, max_position_embeddings=max(args.seq, 4096),
                            extra=dict(num_experts=args.experts, num_experts_per_tok=args.topk,
                                       moe_intermediate_size=args.moe_ffn, norm_topk_prob=True))
-    if args.moe_fusions and not transformer_engine_usable():
+    if args.moe_fusions == "on" and not transformer_engine_usable():
         raise SystemExit("--moe-fusions: Megatron's fused permutation and router are Transformer Engine "
                          "kernels, and Transformer Engine is not importable here")
+    fused = args.moe_fusions == "on" or (args.moe_fusions == "auto" and transformer_engine_usable())
     chunks = build_model(tiny_hf_config("qwen3_moe", shape), moe_aux_loss_coeff=args.aux_coef,
                          moe_experts=moe_experts, moe_router_force_load_balancing=args.balanced_routing,
-                         moe_permute_fusion=args.moe_fusions, moe_router_fusion=args.moe_fusions)
+                         moe_permute_fusion=fused, moe_router_fusion=fused)
     experts_module = type(chunks[0].decoder.layers[0].mlp.experts).__name__
     num_params = sum(torch.Size(m.shape).numel() for m in hf_weight_metadata(chunks))
     local_params = sum(p.numel() for p in chunks[0].parameters())
@@ -146,7 +147,7 @@ def _run_one(args, ep: int, moe_experts: str) -> dict:
         params_billion=round(num_params / 1e9, 3), params_per_rank_billion=round(local_params / 1e9, 3),
         seq=args.seq, micro_batches_per_rank=args.micro_batch, tokens_per_rank=args.seq * args.micro_batch,
         tokens_per_step=tokens, optimizer=optimizer_name(args),
-        routing="balanced" if args.balanced_routing else "router", moe_fusions=args.moe_fusions,
+        routing="balanced" if args.balanced_routing else "router", moe_fusions=fused,
         dtype=str(engine.params_dtype).replace("torch.", ""),
         step_ms_median=round(timing.p50 * 1e3, 1), step_ms_p20=round(timing.p20 * 1e3, 1),
         step_ms_p80=round(timing.p80 * 1e3, 1), step_ms_min=round(min(timing.samples) * 1e3, 1),

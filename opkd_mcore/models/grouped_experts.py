@@ -24,13 +24,13 @@ one view per expert). Its distributed checkpoint stores exactly `SequentialMLP`'
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from opkd_mcore.config.schema import MOE_EXPERTS
+from opkd_mcore.models.te_support import transformer_engine_usable
 from opkd_mcore.platform import current_device, is_cpu
 
 logger = logging.getLogger(__name__)
@@ -48,11 +48,6 @@ class ExpertsChoice:
     def grouped_gemm(self) -> bool:
         """Megatron's `moe_grouped_gemm` flag: only the TE grouped module reads it."""
         return self.impl == "te_grouped"
-
-
-def te_available() -> bool:
-    """Transformer Engine usable: importable, and not on the CPU (TE's kernels are GPU-only)."""
-    return not is_cpu() and importlib.util.find_spec("transformer_engine") is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,7 +76,7 @@ def resolve_experts(requested: str, params_dtype: torch.dtype, hidden: int, ffn_
     if requested not in MOE_EXPERTS:
         raise ValueError(f"{key}: expected one of {MOE_EXPERTS}, got {requested!r}")
     device = str(current_device())
-    te = te_available()
+    te = transformer_engine_usable()
     if requested == "te_grouped" and not te:
         raise ValueError(f"{key}: te_grouped needs Transformer Engine on a GPU "
                          f"({'CPU run' if is_cpu() else 'transformer_engine is not installed'})")

@@ -191,17 +191,17 @@ case "${1:-}" in
         # MOE_BALANCED=1: Megatron's forced load balancing (a trained router's loads, not a random one's);
         # MOE_ETP=N splits each expert over N expert-TP ranks (EP = NPROC / N); MOE_SEQ: tokens per
         # micro-batch (4096; MOE_TOKENS a multiple of it): the dispatcher's per-layer host syncs come per
-        # micro-batch; MOE_FUSIONS (0; "0,1" side by side): Megatron's fused permutation and router (TE)
+        # micro-batch; MOE_FUSIONS (auto; "0,1" side by side): Megatron's fused permutation and router (TE)
     n=${NPROC:-2}; bal=${MOE_BALANCED:+--balanced-routing}; etp=${MOE_ETP:+--etp $MOE_ETP}
     for impl in $(echo "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" | tr , ' '); do
      for tok in $(echo "${MOE_TOKENS:-4096}" | tr , ' '); do
       for ov in $(echo "${MOE_OVERLAP:-0}" | tr , ' '); do
-       for fus in $(echo "${MOE_FUSIONS:-0}" | tr , ' '); do
+       for fus in $(echo "${MOE_FUSIONS:-auto}" | tr , ' '); do
         case $ov in 0) opt=;; distopt) opt=--distributed-optimizer;; 1) opt=--overlap;;
                     *) echo "MOE_OVERLAP: expected 0, distopt or 1, got $ov"; exit 2;; esac
         moe_fusions_opt "$fus"
         v=; [ "$tok" = 4096 ] && [ "$ov" = 0 ] || v="_t${tok}_o$ov"  # the default run keeps its file names
-        v=$v${bal:+_balanced}${MOE_ETP:+_etp$MOE_ETP}${MOE_SEQ:+_s$MOE_SEQ}${fopt:+_fused}
+        v=$v${bal:+_balanced}${MOE_ETP:+_etp$MOE_ETP}${MOE_SEQ:+_s$MOE_SEQ}$fsuf
         python3 -m torch.distributed.run --standalone --nproc_per_node "$n" tools/bench_models.py --moe \
             --layers 8 --seq "${MOE_SEQ:-4096}" --tokens-per-rank "$tok" $opt $bal $etp $fopt --moe-experts "$impl" \
             ${PROFILE:+--profile "$OUT/moe${n}${v}_profile"} --out "$OUT/moe${n}${v}_$impl.json" \
@@ -213,8 +213,8 @@ case "${1:-}" in
     done ;;
   moe1)  # the same MoE student at EP=1 on one GPU: half the layers, to fit its optimizer state;
          # MOE_FUSIONS and PROFILE as for moe (a process per MOE_FUSIONS value)
-    for fus in $(echo "${MOE_FUSIONS:-0}" | tr , ' '); do
-      moe_fusions_opt "$fus"; f=$OUT/moe1${fopt:+_fused}
+    for fus in $(echo "${MOE_FUSIONS:-auto}" | tr , ' '); do
+      moe_fusions_opt "$fus"; f=$OUT/moe1$fsuf
       python3 -m torch.distributed.run --nproc_per_node 1 tools/bench_models.py --moe --layers 4 --seq 4096 \
           --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" $fopt \
           ${PROFILE:+--profile "${f}_profile"} --out "$f.json" --results "$OUT/results.jsonl" > "$f.log" 2>&1

@@ -46,7 +46,11 @@ peers_workload() {  # the peers steps' pair and teacher (PAIR, TEACHER, as `opkd
   pair=${PAIR:-0.6b:1.7b}; teacher=${TEACHER:-topk:64}; v=${pair/:/_from_}_${teacher/:/}
 }
 
-moe_fusions_opt() {  # MOE_FUSIONS value $1 (0 or 1) -> $fopt, bench_models.py's flag for Megatron's fused
-                     # permutation and router (empty for 0); exits on anything else
-  case $1 in 0) fopt=;; 1) fopt=--moe-fusions;; *) echo "MOE_FUSIONS: expected 0 or 1, got $1"; exit 2;; esac
+moe_fusions_opt() {  # MOE_FUSIONS value $1 -> $fopt, bench_models.py's flag for Megatron's fused permutation
+                     # and router, and $fsuf, the runs' file-name suffix: auto (as opkd train: on where TE
+                     # builds the model), 0 (off), 1 (on); exits on anything else
+  case $1 in auto) fopt="--moe-fusions auto"; fsuf=;;
+             0) fopt="--moe-fusions off"; fsuf=_unfused;;
+             1) fopt="--moe-fusions on"; fsuf=_fused;;
+             *) echo "MOE_FUSIONS: expected auto, 0 or 1, got $1"; exit 2;; esac
 }
