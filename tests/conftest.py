@@ -43,9 +43,8 @@ def vllm_fp32_logprob_atol(ref_logprobs: torch.Tensor) -> float:
     the logits as an error of up to u times their scale, and an error e in every logit moves a
     log-probability by at most 2e; a row's spread (largest minus smallest log-probability) is the logits'
     scale, so the bound is 2 u times the largest spread: it grows with a low temperature and long
-    contexts, where `VLLM_FP32_LOGPROB_ATOL`, set at temperature 1 and short rows, is too tight (7.9e-3
-    seen on an H200 at temperature 0.6 over a 32-token context, bound 1.4e-2). Never under
-    `VLLM_FP32_LOGPROB_ATOL`; on CPU that constant."""
+    contexts, where `VLLM_FP32_LOGPROB_ATOL`, set at temperature 1 on short rows, is too tight. Never
+    under `VLLM_FP32_LOGPROB_ATOL`; on CPU that constant."""
     if not torch.cuda.is_available():
         return VLLM_FP32_LOGPROB_ATOL
     spread = (ref_logprobs.max(dim=-1).values - ref_logprobs.min(dim=-1).values).max().item()

@@ -191,6 +191,18 @@ def choices_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+def fusions_chosen(choice: str, flag: str) -> bool:
+    """A benchmark's auto | on | off choice of Megatron's Transformer Engine fusions, as a bool: auto is
+    what `opkd train` builds (on where TE builds the model); on without TE is a SystemExit naming `flag`."""
+    from opkd_mcore.models.builder import transformer_engine_usable
+
+    te = transformer_engine_usable()
+    if choice == "on" and not te:
+        raise SystemExit(f"{flag}: on asks for Transformer Engine's kernels, and Transformer Engine is not "
+                         "importable here (or the device is the CPU)")
+    return choice == "on" or (choice == "auto" and te)
+
+
 def add_results_argument(parser) -> None:
     parser.add_argument("--results", default=None, metavar="FILE",
                         help="append one JSON line (run metadata + results) to FILE")

@@ -5,7 +5,7 @@ import json
 import os
 import tempfile
 
-from bench_common import record, run_metadata, time_it  # tools/ is on the path: bench_models.py runs this
+from bench_common import fusions_chosen, record, run_metadata, time_it  # tools/ is on the path: bench_models.py runs this
 
 from opkd_mcore.config.schema import OptimSection
 from opkd_mcore.platform.profiling import profiled
@@ -89,7 +89,6 @@ def _run_one(args, ep: int, moe_experts: str) -> dict:
     from opkd_mcore.engine.packing import pack_sequences
     from opkd_mcore.losses import DenseTeacher
     from opkd_mcore.models import build_model, hf_weight_metadata
-    from opkd_mcore.models.builder import transformer_engine_usable
     from opkd_mcore.models.tiny import TinyModelShape, tiny_hf_config
     from opkd_mcore.platform import current_device
 
@@ -98,10 +97,7 @@ def _run_one(args, ep: int, moe_experts: str) -> dict:
                            head_dim=args.head_dim, max_position_embeddings=max(args.seq, 4096),
                            extra=dict(num_experts=args.experts, num_experts_per_tok=args.topk,
                                       moe_intermediate_size=args.moe_ffn, norm_topk_prob=True))
-    if args.moe_fusions == "on" and not transformer_engine_usable():
-        raise SystemExit("--moe-fusions: Megatron's fused permutation and router are Transformer Engine "
-                         "kernels, and Transformer Engine is not importable here")
-    fused = args.moe_fusions == "on" or (args.moe_fusions == "auto" and transformer_engine_usable())
+    fused = fusions_chosen(args.moe_fusions, "--moe-fusions")
     chunks = build_model(tiny_hf_config("qwen3_moe", shape), moe_aux_loss_coeff=args.aux_coef,
                          moe_experts=moe_experts, moe_router_force_load_balancing=args.balanced_routing,
                          moe_permute_fusion=fused, moe_router_fusion=fused)

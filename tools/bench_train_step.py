@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, beside this file
 
-from bench_common import add_results_argument, choices_list, record, run_metadata, time_it  # noqa: E402
+from bench_common import add_results_argument, choices_list, fusions_chosen, record, run_metadata, time_it  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     from opkd_mcore.engine.megatron_engine import MegatronEngine
     from opkd_mcore.losses.plan import resolve_loss_plan
     from opkd_mcore.models import build_model
-    from opkd_mcore.models.builder import kernel_fusions, memory_overrides, transformer_engine_usable
+    from opkd_mcore.models.builder import kernel_fusions, memory_overrides
     from opkd_mcore.models.tiny import NAMED_SHAPES, make_char_tokenizer, tiny_hf_config
     from opkd_mcore.platform.parallel import ParallelConfig, destroy_parallel, init_parallel
     from opkd_mcore.train.objective import StepCounts, make_loss_fn
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state as ps
 
     hf_config = tiny_hf_config("qwen3", NAMED_SHAPES[args.shape], make_char_tokenizer("0123456789+="))
-    fused = args.fusions == "on" or (args.fusions == "auto" and transformer_engine_usable())
+    fused = fusions_chosen(args.fusions, "--fusions")
     chunks = build_model(hf_config, params_dtype=torch.bfloat16,
                          **memory_overrides(args.recompute, args.sequence_parallel), **kernel_fusions(fused))
     engine = MegatronEngine(chunks, OptimSection(lr=1e-6))
