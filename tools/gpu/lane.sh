@@ -212,13 +212,15 @@ case "${1:-}" in
      done
     done ;;
   moe1)  # the same MoE student at EP=1 on one GPU: half the layers, to fit its optimizer state;
-         # MOE_FUSIONS and PROFILE as for moe (a process per MOE_FUSIONS value)
-    for fus in $(echo "${MOE_FUSIONS:-auto}" | tr , ' '); do
-      moe_fusions_opt "$fus"; f=$OUT/moe1$fsuf
+         # MOE_FUSIONS, MOE_TOKENS (micro-batches of 4096 per step) and PROFILE as for moe, a process per value
+    for tok in $(echo "${MOE_TOKENS:-4096}" | tr , ' '); do
+     for fus in $(echo "${MOE_FUSIONS:-auto}" | tr , ' '); do
+      moe_fusions_opt "$fus"; f=$OUT/moe1$fsuf; [ "$tok" = 4096 ] || f=${f}_t$tok
       python3 -m torch.distributed.run --nproc_per_node 1 tools/bench_models.py --moe --layers 4 --seq 4096 \
-          --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" $fopt \
+          --tokens-per-rank "$tok" --moe-experts "${MOE_EXPERTS:-sequential,torch_grouped,te_grouped}" $fopt \
           ${PROFILE:+--profile "${f}_profile"} --out "$f.json" --results "$OUT/results.jsonl" > "$f.log" 2>&1
       grep "^|" "$f.log" || tail -20 "$f.log"
+     done
     done ;;
   steps1)  # bench_step on one GPU: trainer rank, rollout engine and teacher share it (colocated: sync only)
     python3 tools/bench_step.py --student /tmp/models/qwen3-0.6b --teacher /tmp/models/qwen3-1.7b \
