@@ -106,3 +106,46 @@ def test_grouped_experts_match_sequential_and_hf(tmp_path, impl, record_property
             record_property(f"grad_rel_err_{impl}", rel)
             # same bf16 inputs, same routing: the GEMMs differ only in accumulation order
             assert g_seq.norm() > 0 and rel < 2e-2, rel
+
+
+def _sync_free_worker(rank, world_size):
+    """`TorchGroupedMLP`'s forward with the counts on the host, as Megatron's dispatchers hand them:
+    under CUDA's sync debug mode set to error, then against the same call with the counts on the device."""
+    import torch.nn.functional as F
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+
+    from opkd_mcore.models.grouped_experts import TorchGroupedMLP
+    from opkd_mcore.platform import ParallelConfig, destroy_parallel, init_parallel
+
+    init_parallel(ParallelConfig(seed=1))
+    try:
+        config = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=4, ffn_hidden_size=64,
+                                   moe_ffn_hidden_size=64, num_moe_experts=4, gated_linear_unit=True,
+                                   activation_func=F.silu, add_bias_linear=False, moe_router_topk=2,
+                                   params_dtype=torch.bfloat16, bf16=True)
+        experts = TorchGroupedMLP(4, config, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        x = torch.randn(128, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        probs = torch.rand(128, device="cuda", generator=gen)
+        counts = torch.tensor([40, 0, 56, 32]).pin_memory()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.no_grad():
+                out, _ = experts(x, counts, probs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with torch.no_grad():
+            ref, _ = experts(x, counts.cuda(), probs)
+        return torch.equal(out, ref), out.abs().sum().item()
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_torch_grouped_experts_never_wait_for_the_device():
+    """A blocking copy of the counts to the device would make the host wait for the device to drain
+    at every MoE layer of every micro-batch."""
+    ((same, total),) = run_distributed(_sync_free_worker, 1, backend=None, env=NCCL_ENV)
+    assert same and total > 0

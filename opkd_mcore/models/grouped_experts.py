@@ -147,8 +147,10 @@ class TorchGroupedMLP(torch.nn.Module):
                 raise ValueError("moe_apply_probs_on_input: needs moe_router_topk=1")
             hidden = (probs * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)
-        # group ends, on the tokens' device (the all-to-all dispatcher hands the counts on the host)
-        offs = tokens_per_expert.to(hidden.device).cumsum(0).to(torch.int32)
+        # group ends: Megatron's dispatchers hand the counts on the host, already valid there (its TE
+        # experts read them with .tolist()); summed there and copied without waiting, as a blocking
+        # copy would make the host wait for the device to drain at every MoE layer
+        offs = tokens_per_expert.cumsum(0, dtype=torch.int32).to(hidden.device, non_blocking=True)
         fc1 = _ContiguousGrad.apply(torch._grouped_mm(hidden, self.fc1_weight.transpose(1, 2), offs=offs))
         act = self._activation(fc1, probs)
         out = torch._grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offs)
