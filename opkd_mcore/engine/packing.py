@@ -19,6 +19,7 @@ import torch
 
 from opkd_mcore.losses.span_teacher import CrossTokenizerTeacher, SpanIndex
 from opkd_mcore.losses.teacher_outputs import DenseTeacher, HiddenTeacher, TopKTeacher
+from opkd_mcore.platform import to_device_queued
 
 
 @dataclass
@@ -143,19 +144,13 @@ class PackedBatch:
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
     def to(self, device) -> "PackedBatch":
-        """A copy with every tensor (teacher rows included) on `device`.
-
-        Host tensors bound for an accelerator go through page-locked memory: a copy from pageable
-        memory waits for the device's queue to drain before it starts (a host sync per tensor per
-        micro-batch); from pinned memory it is queued like a kernel (`non_blocking`)."""
+        """A copy with every tensor (teacher rows included) on `device`, each copy queued behind the
+        device's work (`to_device_queued`): no host sync per tensor per micro-batch."""
         device = torch.device(device)
-        pin = device.type != "cpu"
 
         def move(x):
             if isinstance(x, torch.Tensor):
-                if pin and x.device.type == "cpu" and not x.is_pinned():
-                    x = x.pin_memory()
-                return x.to(device, non_blocking=True)
+                return to_device_queued(x, device)
             if isinstance(x, PackedBatch):
                 return x.to(device)
             if isinstance(x, _ROW_HOLDERS):

@@ -31,7 +31,7 @@ import torch
 
 from opkd_mcore.config.schema import MOE_EXPERTS
 from opkd_mcore.models.te_support import transformer_engine_usable
-from opkd_mcore.platform import current_device, is_cpu
+from opkd_mcore.platform import current_device, is_cpu, to_device_queued
 
 logger = logging.getLogger(__name__)
 
@@ -148,9 +148,9 @@ class TorchGroupedMLP(torch.nn.Module):
             hidden = (probs * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)
         # group ends: Megatron's dispatchers hand the counts on the host, already valid there (its TE
-        # experts read them with .tolist()); summed there and copied without waiting, as a blocking
-        # copy would make the host wait for the device to drain at every MoE layer
-        offs = tokens_per_expert.cumsum(0, dtype=torch.int32).to(hidden.device, non_blocking=True)
+        # experts read them with .tolist()); summed there and queued to the device, as a blocking copy
+        # would make the host wait for the device to drain at every MoE layer of every micro-batch
+        offs = to_device_queued(tokens_per_expert.cumsum(0, dtype=torch.int32), hidden.device)
         fc1 = _ContiguousGrad.apply(torch._grouped_mm(hidden, self.fc1_weight.transpose(1, 2), offs=offs))
         act = self._activation(fc1, probs)
         out = torch._grouped_mm(act, self.fc2_weight.transpose(1, 2), offs=offs)

@@ -6,6 +6,7 @@ from opkd_mcore.platform.device import (
     device_type,
     is_accelerator_tensor,
     is_cpu,
+    to_device_queued,
     triton_kernels_usable,
 )
 from opkd_mcore.platform.megatron_cpu import disable_cpu_emulation, enable_cpu_emulation
@@ -31,5 +32,6 @@ __all__ = [
     "device_type",
     "is_accelerator_tensor",
     "is_cpu",
+    "to_device_queued",
     "triton_kernels_usable",
 ]

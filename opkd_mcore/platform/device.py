@@ -60,6 +60,15 @@ def current_device(device: str | None = None) -> torch.device:
     return torch.device(kind, module.current_device())
 
 
+def to_device_queued(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`, the copy queued behind the device's work like a kernel: a host tensor bound for
+    an accelerator goes through page-locked memory, since a copy from pageable memory (or a blocking
+    one) makes the host wait for the device's queue to drain."""
+    if device.type != "cpu" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def is_accelerator_tensor(t: torch.Tensor, kind: str = "cuda") -> bool:
     """True when a tensor lives on the given accelerator type (used for kernel dispatch)."""
     return t.device.type == kind
