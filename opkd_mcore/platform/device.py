@@ -62,8 +62,8 @@ def current_device(device: str | None = None) -> torch.device:
 
 def to_device_queued(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device`, the copy queued behind the device's work like a kernel: a host tensor bound for
-    an accelerator goes through page-locked memory, since a copy from pageable memory (or a blocking
-    one) makes the host wait for the device's queue to drain."""
+    an accelerator goes through page-locked memory, since a blocking copy, or one from pageable memory
+    beyond the driver's staging buffer, makes the host wait for the device's queue to drain."""
     if device.type != "cpu" and t.device.type == "cpu" and not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
