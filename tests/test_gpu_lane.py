@@ -13,7 +13,7 @@ import pytest
 pytestmark = [pytest.mark.runbook, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = {"tests_x4": "abcde", "tests_x2": "abcdefghij"}
+LAYOUTS = {"tests_x4": "abcde", "tests_x2": "abcdefghijk"}
 
 
 def _collected(out: Path, *step: str) -> set[str]:

@@ -13,7 +13,7 @@
 #                                         # or tests_pair1 .. tests_pair4, tests_aborts
 #   bash tools/gpu/lane.sh tests_quad     # what two GPUs skip (4 ranks; nvidia-h100-x4)
 #   bash tools/gpu/lane.sh tests_x4 a     # the GPU suite on 4 GPUs in five calls (a to e), parts side by
-#                                         # side; tests_x2 a to j on 2 GPUs (tools/gpu/README.md lists them)
+#                                         # side; tests_x2 a to k on 2 GPUs (tools/gpu/README.md lists them)
 #   bash tools/gpu/lane.sh tests_on 0:tests6 1:tests5 2,3:tests_pair3+tests_pair4   # any parts, each job
 #                                         # on its GPUs, a job's parts one after the other
 #   bash tools/gpu/lane.sh models         # random-weight Qwen3-0.6B / 1.7B checkpoints in /tmp/models
