@@ -23,7 +23,7 @@ from opkd_mcore.train.samples_log import audit, read_samples
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATASET, PROMPTS, N, STEPS, SAVE_EVERY, STALENESS = 10, 2, 2, 30, 2, 1
+DATASET, PROMPTS, N, STEPS, SAVE_EVERY, STALENESS = 10, 2, 2, 12, 2, 1
 
 
 @pytest.fixture(scope="module")

@@ -92,6 +92,7 @@
 #                                         # prints the step table: stage shares, tokens/s and memory per GPU
 #   bash tools/gpu/lane.sh e2e8           # the TP=4 student's sync alone against a raw IPC copy and NCCL
 #                                         # broadcast of the same bytes (E2E8_LAYOUTS="tp4-coloc tp4-disagg")
+#   bash tools/gpu/lane.sh pack           # last in a call: $OUT's logs and JSON as one out.tgz
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -459,5 +460,9 @@ case "${1:-}" in
         --model /tmp/models/qwen3-0.6b --results "$OUT/results.jsonl" > "$OUT/train_stage_expandable.log" 2>&1 \
         || { tail -n 40 "$OUT/train_stage_expandable.log"; exit 1; }
     grep -B1 -A5 "^| row " "$OUT/train_stage_expandable.log" ;;
+  pack)  # the call's last step: everything under $OUT as one $OUT/out.tgz (the device tool brings back at
+         # most 8 files, 2 folders down; checkpoints and models stay behind)
+    tar czf /tmp/out.tgz -C "$OUT" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' . \
+        && find "$OUT" -mindepth 1 -delete && mv /tmp/out.tgz "$OUT/" && ls -l "$OUT" ;;
   *) usage ;;
 esac
