@@ -460,9 +460,12 @@ case "${1:-}" in
         --model /tmp/models/qwen3-0.6b --results "$OUT/results.jsonl" > "$OUT/train_stage_expandable.log" 2>&1 \
         || { tail -n 40 "$OUT/train_stage_expandable.log"; exit 1; }
     grep -B1 -A5 "^| row " "$OUT/train_stage_expandable.log" ;;
-  pack)  # the call's last step: everything under $OUT as one $OUT/out.tgz (the device tool brings back at
-         # most 8 files, 2 folders down; checkpoints and models stay behind)
-    tar czf /tmp/out.tgz -C "$OUT" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' . \
-        && find "$OUT" -mindepth 1 -delete && mv /tmp/out.tgz "$OUT/" && ls -l "$OUT" ;;
+  pack)  # a call's last step: $OUT's logs and JSON moved into one $OUT/out.tgz (the device tool brings back
+         # at most 8 files, 2 folders down); checkpoints and weights are left where they are, not archived
+    # a second pack in the same call writes out1.tgz beside the first, never over it
+    name=out$(find "$OUT" -maxdepth 1 -name 'out*.tgz' | wc -l | sed 's/^0$//').tgz
+    (cd "$OUT" && find . -type f ! -name '*.safetensors' ! -name '*.pt' ! -name '*.distcp' ! -name 'out*.tgz' \
+        -print0 | tar czf "/tmp/$name" --null -T - --remove-files) \
+        && find "$OUT" -mindepth 1 -type d -empty -delete && mv "/tmp/$name" "$OUT/" && ls -lR "$OUT" ;;
   *) usage ;;
 esac
