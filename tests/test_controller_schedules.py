@@ -348,9 +348,11 @@ def test_colocated_placement_trains_what_the_disaggregated_one_does(cluster):
     reference_history, reference_rows = _schedule_run(cluster, "one_step_off")
     cluster["groups"].shutdown()  # the disaggregated actors leave the machine to these
     out = str(cluster["root"] / "colocated")
+    # no fault here: the fault tests' 10 s deadline would only time this run's start-up on a loaded machine
     cfg = load_config(cluster["config"], [*RAY_ONLY, "controller.placement=colocated",
                                           "weight_sync.transport=colocated_ipc", "run.schedule=one_step_off",
-                                          "run.max_staleness=2", f"run.output_dir={out}"])
+                                          "run.max_staleness=2", f"run.output_dir={out}",
+                                          "controller.sync_timeout_s=120"])
     history = RayController(cfg).run()  # builds (and releases) its own actors
     assert read_samples(out) == reference_rows
     assert _lag_by_step(reference_rows) == {0: 0, 1: 1, 2: 1, 3: 1}
