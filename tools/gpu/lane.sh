@@ -40,6 +40,7 @@
 #   MOE_EXPERTS=torch_grouped MOE_TOKENS=4096,16384 MOE_OVERLAP=0,distopt,1 bash tools/gpu/lane.sh moe
 #                                         # tokens per rank x optimizer (replicated Adam state, distributed
 #                                         # optimizer, + overlapped grad reduce / param gather), a row each
+#   MOE_EXPERTS=torch_grouped MOE_TOKENS=16384 MOE_SEQ=16384 bash tools/gpu/lane.sh moe  # one micro-batch per rank
 #   bash tools/gpu/lane.sh cp_long        # 32K tokens at CP=2 (GPUs 0-1), then 64K at CP=4 (4 GPUs); TE
 #   bash tools/gpu/lane.sh memory_levers  # recompute none/selective/full (1 GPU), TP=2 with/without SP (2); TE
 #   bash tools/gpu/lane.sh fusions        # the engine step with Megatron's fused SwiGLU / RoPE off and on (1 GPU)
