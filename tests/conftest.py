@@ -1,9 +1,15 @@
 import os
 
-import pytest
-import torch
-
+# Transformer Engine asks cuBLAS for TF32 in every float32 GEMM (whatever torch's flags say), which
+# would bound a float32 Megatron model against its float32/float64 reference by TF32's roundoff, not
+# float32's: the tests check the project's arithmetic at the precision they declare, so NVIDIA's
+# libraries keep float32 GEMMs in float32 here and in the processes the tests start (before torch
+# loads cuBLAS). Users keep TE's default.
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # vLLM engines in tests take a small share of a GPU, so several (and the trainer) fit at once; on
 # CPU the share is ignored (VLLM_CPU_KVCACHE_SPACE sizes the cache)
@@ -17,16 +23,6 @@ ENGINE_MEMORY = 0.12
 VLLM_FP32_LOGPROB_ATOL = 6e-3 if torch.cuda.is_available() else 2e-3
 
 TF32_UNIT_ROUNDOFF = 2.0 ** -11   # TF32 keeps 10 mantissa bits
-
-
-def megatron_fp32_rel(otherwise: float) -> float:
-    """The relative bound of a float32 Megatron model's losses against a full-fp32 (or float64)
-    reference: where Transformer Engine builds the layers, their fp32 GEMMs run in TF32 whatever
-    torch's flags say (TE's cuBLAS default, 10-bit mantissa), so TF32's unit roundoff; elsewhere
-    `otherwise`, the test's own float32 bound."""
-    from opkd_mcore.models.builder import transformer_engine_usable
-
-    return TF32_UNIT_ROUNDOFF if transformer_engine_usable() else otherwise
 
 
 def vllm_fp32_rel(otherwise: float) -> float:
