@@ -228,9 +228,6 @@ NCCL_CASE = "qwen2_moe-ep2-aux-distopt"
 def _nccl_train_worker(rank, world, hf_dirs, ckpt_root):
     import torch.distributed as dist
 
-    # float32 without TF32 in torch's own GEMMs (TE's: NVIDIA_TF32_OVERRIDE, tests/conftest.py)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     result = _train_case(NCCL_CASE, hf_dirs, ckpt_root, params_dtype=torch.float32)
     assert dist.get_backend() == "nccl", dist.get_backend()
     return result
